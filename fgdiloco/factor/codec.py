@@ -1,0 +1,179 @@
+"""The codec interface every compressor of a gossip payload implements.
+
+A codec turns a list of tensors (one per model parameter, any shapes) into a *body*: codec-specific bytes that
+:func:`fgdiloco.factor.frame.encode_frame` wraps in a checked, versioned, zstd-compressed wire frame. Decoding takes
+the body and the list of tensors it stands for (``like``: shapes, dtypes and device of the result).
+
+Mixing needs one more thing from a codec: what the *receiver* will reconstruct from the sender's own message. Both
+:meth:`Codec.encode` results are returned together so the sender mixes with exactly the value its peer sees, which
+keeps pairwise gossip sum-preserving even with a lossy codec (see :mod:`fgdiloco.gossip.mix`).
+
+Stateful codecs (error feedback, warm-started factors) keep per-tensor state between rounds. That state changes only
+on ``encode(..., stateful=True)`` and is saved by :meth:`Codec.state_dict` as part of ``FGDiLoCo.state_dict()``.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+__all__ = ["Codec", "Dense", "BF16", "CodecError", "register_codec", "codec_from_id", "resolve_codec"]
+
+
+class CodecError(ValueError):
+    """A body cannot be decoded into the expected tensors (wrong length, wrong shape, bad content)."""
+
+
+_REGISTRY: dict[int, type[Codec]] = {}
+
+
+def register_codec(cls: type[Codec]) -> type[Codec]:
+    """Class decorator: make ``cls`` known by its ``codec_id`` (stored in every frame header)."""
+    if cls.codec_id in _REGISTRY and _REGISTRY[cls.codec_id] is not cls:
+        raise ValueError(f"codec_id {cls.codec_id} already used by {_REGISTRY[cls.codec_id].__name__}")
+    _REGISTRY[cls.codec_id] = cls
+    return cls
+
+
+def codec_from_id(codec_id: int) -> type[Codec]:
+    """The codec class for a frame's codec id; raises ``KeyError`` for an unknown id."""
+    return _REGISTRY[codec_id]
+
+
+class Codec(abc.ABC):
+    """Compresses a list of tensors into bytes and back.
+
+    Subclasses set ``codec_id`` (unique, 1-255, written into each frame header) and ``name``.
+    ``lossless`` is True when ``decode(encode(x)) == x`` bit for bit.
+    """
+
+    codec_id: ClassVar[int]
+    name: ClassVar[str]
+    lossless: ClassVar[bool] = False
+
+    @abc.abstractmethod
+    def encode(self, tensors: Sequence[torch.Tensor], *, stateful: bool = True) -> tuple[bytes, list[torch.Tensor]]:
+        """Encode ``tensors``.
+
+        Args:
+            tensors: one tensor per parameter, any shapes; not modified.
+            stateful: when True the codec may read and update its per-tensor state (error feedback residual,
+                warm-start factors). When False the state is read-only (used for the second and later gossip
+                rounds of one mix, whose inputs are already mixed values).
+
+        Returns:
+            ``(body, decoded)``: the body bytes, and the tensors the receiver will decode from them (same shapes
+            and dtypes as ``tensors``, on their devices).
+        """
+
+    @abc.abstractmethod
+    def decode(self, body: bytes, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Decode a body made by :meth:`encode` on a peer into tensors shaped like ``like``.
+
+        Raises:
+            CodecError: the body does not fit ``like`` (wrong length or layout).
+        """
+
+    def state_dict(self) -> dict[str, Any]:
+        """Per-tensor state to checkpoint (empty for stateless codecs)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        return None
+
+    def config(self) -> dict[str, Any]:
+        """Constructor arguments, for logs and summaries."""
+        return {}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
+        return f"{type(self).__name__}({args})"
+
+
+def _numel(like: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() for t in like)
+
+
+def _split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    out, off = [], 0
+    for t in like:
+        n = t.numel()
+        out.append(flat[off : off + n].view(t.shape).to(device=t.device, dtype=t.dtype))
+        off += n
+    return out
+
+
+def _flat_cpu(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    if not tensors:
+        return torch.empty(0, dtype=dtype)
+    return torch.cat([t.detach().reshape(-1).to(device="cpu", dtype=dtype) for t in tensors])
+
+
+@register_codec
+class Dense(Codec):
+    """Lossless fp32: 4 bytes per element. The reference every compression ratio is measured against."""
+
+    codec_id = 1
+    name = "dense"
+    lossless = True
+
+    def encode(self, tensors, *, stateful=True):
+        flat = _flat_cpu(tensors, torch.float32)
+        return flat.numpy().tobytes(), [t.detach().clone() for t in tensors]
+
+    def decode(self, body, like):
+        n = _numel(like)
+        if len(body) != 4 * n:
+            raise CodecError(f"dense body has {len(body)} bytes, expected {4 * n} for {n} fp32 elements")
+        flat = torch.from_numpy(np.frombuffer(body, dtype=np.float32).copy())
+        return _split(flat, like)
+
+
+@register_codec
+class BF16(Codec):
+    """bfloat16: 2 bytes per element, relative error at most 2**-8 per element (round to nearest even).
+
+    The default codec of Mix1 (parameters): parameters need range more than precision, and mixing uses the
+    difference form ``θ_i + ½(q(θ_j) − q(θ_i))``, so the rounding only touches the *difference* between two
+    replicas, never a replica's own parameters, and the pair's sum is preserved exactly.
+    """
+
+    codec_id = 2
+    name = "bf16"
+
+    def encode(self, tensors, *, stateful=True):
+        flat = _flat_cpu(tensors, torch.float32).to(torch.bfloat16)
+        body = flat.view(torch.int16).numpy().tobytes()
+        return body, _split(flat.to(torch.float32), tensors)
+
+    def decode(self, body, like):
+        n = _numel(like)
+        if len(body) != 2 * n:
+            raise CodecError(f"bf16 body has {len(body)} bytes, expected {2 * n} for {n} bf16 elements")
+        raw = torch.from_numpy(np.frombuffer(body, dtype=np.int16).copy())
+        return _split(raw.view(torch.bfloat16).to(torch.float32), like)
+
+
+def resolve_codec(codec: Codec | str | None, *, default: str, argument: str) -> Codec:
+    """Turn ``None``, a codec name or a :class:`Codec` instance into a codec instance.
+
+    Raises:
+        TypeError: ``codec`` is neither None, a string nor a Codec.
+        ValueError: unknown codec name (the message lists the known ones).
+    """
+    if codec is None:
+        codec = default
+    if isinstance(codec, Codec):
+        return codec
+    if isinstance(codec, str):
+        by_name = {cls.name: cls for cls in _REGISTRY.values()}
+        if codec.lower() not in by_name:
+            raise ValueError(f"{argument}={codec!r} is not a known codec; use one of {sorted(by_name)} "
+                             "or a fgdiloco.factor.Codec instance")
+        return by_name[codec.lower()]()
+    raise TypeError(f"{argument} must be None, a codec name or a fgdiloco.factor.Codec, got {type(codec).__name__}")

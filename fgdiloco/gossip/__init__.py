@@ -1,0 +1,31 @@
+"""Gossip: topologies (who talks to whom), transports (how bytes move), and the mix itself."""
+
+from .mix import Mixer, MixResult, PeerHealth
+from .topology import (
+    TOPOLOGIES,
+    AllReduceTopology,
+    ExponentialTopology,
+    RandomTopology,
+    RingTopology,
+    Topology,
+    make_topology,
+)
+from .transport import DistributedTransport, ExchangeError, LocalHub, LocalTransport, Transport
+
+__all__ = [
+    "TOPOLOGIES",
+    "AllReduceTopology",
+    "DistributedTransport",
+    "ExchangeError",
+    "ExponentialTopology",
+    "LocalHub",
+    "LocalTransport",
+    "MixResult",
+    "Mixer",
+    "PeerHealth",
+    "RandomTopology",
+    "RingTopology",
+    "Topology",
+    "Transport",
+    "make_topology",
+]

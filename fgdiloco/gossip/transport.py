@@ -1,0 +1,250 @@
+"""How gossip bytes move between workers.
+
+:class:`DistributedTransport` runs on ``torch.distributed``. Each pairwise exchange builds a *private* 2-rank Gloo
+process group on a :class:`~torch.distributed.PrefixStore` of the job's store, keyed by the mix, the schedule index
+and the pair. Why a fresh group per exchange: a Gloo timeout closes every connection of the group it happens in
+(PLATFORM.md), so a hung peer inside a shared group would break all later gossip; in a private group it breaks
+only that one exchange. A fresh key per exchange also means a peer that comes back after a failure can never be
+matched against a half-finished exchange. The cost is a few store round trips per exchange (about 2-3 ms on a
+TCPStore, about 25 ms on a FileStore), paid once per gossip round, not per inner step.
+
+Every call has a deadline: when it passes, the call raises :class:`ExchangeError` and the caller keeps its own
+value. The thread doing the exchange is a daemon and ends when Gloo's own timeout fires.
+
+:class:`LocalHub` is the in-process stand-in (threads as workers) used by fast unit tests.
+"""
+
+from __future__ import annotations
+
+import abc
+import datetime
+import secrets
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ExchangeError", "Transport", "DistributedTransport", "LocalHub", "LocalTransport"]
+
+T = TypeVar("T")
+MAX_PAYLOAD_BYTES = 1 << 34  # a peer announcing more than 16 GiB is rejected before allocating
+
+
+class ExchangeError(RuntimeError):
+    """An exchange with a peer failed or timed out; the caller keeps its own value for that round."""
+
+
+def call_with_deadline(fn: Callable[[], T], timeout: float, what: str) -> T:
+    """Run ``fn`` in a daemon thread and return its result, or raise :class:`ExchangeError` after ``timeout`` s."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+
+    th = threading.Thread(target=target, name=f"fgdiloco-{what}", daemon=True)
+    th.start()
+    th.join(timeout)
+    if th.is_alive():
+        raise ExchangeError(f"{what} timed out after {timeout:.1f} s")
+    if "error" in box:
+        err = box["error"]
+        raise ExchangeError(f"{what} failed: {type(err).__name__}: {err}") from err
+    return box["value"]
+
+
+class Transport(abc.ABC):
+    """Moves gossip payloads. ``rank`` and ``world_size`` are positions in the gossip group."""
+
+    rank: int
+    world_size: int
+
+    @abc.abstractmethod
+    def exchange(self, peer: int, payload: bytes, *, key: str, timeout: float) -> bytes:
+        """Send ``payload`` to ``peer`` and return what ``peer`` sent under the same ``key``.
+
+        Raises:
+            ExchangeError: the peer is dead, hung, or the exchange did not finish within ``timeout`` seconds.
+        """
+
+    @abc.abstractmethod
+    def all_gather(self, payload: bytes, *, key: str, timeout: float) -> list[bytes]:
+        """Every worker's payload, indexed by rank (the exact-average topology's exchange)."""
+
+    def all_reduce_mean(self, flat: torch.Tensor, *, key: str, timeout: float) -> None:
+        """Replace the 1-D float32 ``flat`` by the average over all workers, in place."""
+        frames = self.all_gather(flat.detach().cpu().numpy().tobytes(), key=key, timeout=timeout)
+        total = torch.zeros_like(flat, dtype=torch.float64, device="cpu")
+        for f in frames:
+            total += torch.frombuffer(bytearray(f), dtype=torch.float32).to(torch.float64)
+        flat.copy_((total / len(frames)).to(flat.dtype))
+
+    def close(self) -> None:
+        """Release resources (nothing by default)."""
+        return None
+
+
+class DistributedTransport(Transport):
+    """Gossip over ``torch.distributed`` with fault-isolated pairwise exchanges.
+
+    Args:
+        process_group: the group whose members gossip (default: the default group). Gossip ranks are ranks in
+            this group. Works under ``torchrun``, a plain ``init_process_group`` with any init method, and with a
+            user-supplied group. Payloads always travel over Gloo on CPU, so CUDA/NCCL jobs work too.
+        timeout: default per-exchange timeout in seconds.
+        exact: also build a Gloo group over all members for the exact-average topology (collective: every member
+            must construct the transport).
+
+    Construction is collective over ``process_group`` (a broadcast of a run nonce, so stale keys in a reused store
+    can never match, and optionally a ``new_group``).
+    """
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None, *, timeout: float = 60.0,
+                 exact: bool = False):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised: call init_process_group (or use torchrun) "
+                               "before building a DistributedTransport")
+        self.group = process_group if process_group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.global_ranks = dist.get_process_group_ranks(self.group)
+        self.timeout = float(timeout)
+        self._store = dist.distributed_c10d._get_default_store()
+        nonce = torch.tensor([secrets.randbits(62) if self.rank == 0 else 0], dtype=torch.int64)
+        backend = dist.get_backend(self.group)
+        if backend == "nccl":
+            nonce = nonce.cuda()
+        dist.broadcast(nonce, src=self.global_ranks[0], group=self.group)
+        self.namespace = f"fgdiloco/{int(nonce.item()):x}"
+        self._coll = None
+        if exact and self.world_size > 1:
+            self._coll = dist.new_group(self.global_ranks, backend="gloo",
+                                        timeout=datetime.timedelta(seconds=self.timeout))
+        self._coll_lock = threading.Lock()
+
+    def _pair_group(self, peer: int, key: str, timeout: float) -> tuple[Any, int]:
+        a, b = sorted((self.rank, peer))
+        store = dist.PrefixStore(f"{self.namespace}/{key}/{a}-{b}", self._store)
+        me = 0 if self.rank == a else 1
+        pg = dist.ProcessGroupGloo(store, me, 2, datetime.timedelta(seconds=timeout))
+        return pg, 1 - me
+
+    def exchange(self, peer: int, payload: bytes, *, key: str, timeout: float | None = None) -> bytes:
+        if peer == self.rank or not 0 <= peer < self.world_size:
+            raise ValueError(f"peer must be another rank in [0, {self.world_size}), got {peer}")
+        timeout = self.timeout if timeout is None else timeout
+
+        def run() -> bytes:
+            pg, other = self._pair_group(peer, key, timeout)
+            n_out = torch.tensor([len(payload)], dtype=torch.int64)
+            n_in = torch.zeros(1, dtype=torch.int64)
+            works = [pg.send([n_out], other, 0), pg.recv([n_in], other, 0)]
+            for w in works:
+                w.wait()
+            size = int(n_in.item())
+            if not 0 < size <= MAX_PAYLOAD_BYTES:
+                raise ExchangeError(f"peer announced a payload of {size} bytes")
+            buf = torch.empty(size, dtype=torch.uint8)
+            out = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            works = [pg.send([out], other, 1), pg.recv([buf], other, 1)]
+            for w in works:
+                w.wait()
+            return buf.numpy().tobytes()
+
+        return call_with_deadline(run, timeout, f"exchange {key} with rank {peer}")
+
+    def all_gather(self, payload: bytes, *, key: str, timeout: float | None = None) -> list[bytes]:
+        timeout = self.timeout if timeout is None else timeout
+        if self.world_size == 1:
+            return [payload]
+        if self._coll is None:
+            raise RuntimeError("this transport was built without exact=True")
+
+        def run() -> list[bytes]:
+            with self._coll_lock:
+                sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+                dist.all_gather(sizes, torch.tensor([len(payload)], dtype=torch.int64), group=self._coll)
+                n = max(int(s.item()) for s in sizes)
+                if n > MAX_PAYLOAD_BYTES:
+                    raise ExchangeError(f"a peer announced a payload of {n} bytes")
+                mine = torch.zeros(n, dtype=torch.uint8)
+                mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+                outs = [torch.empty(n, dtype=torch.uint8) for _ in range(self.world_size)]
+                dist.all_gather(outs, mine, group=self._coll)
+            return [o[: int(s.item())].numpy().tobytes() for o, s in zip(outs, sizes)]
+
+        return call_with_deadline(run, timeout, f"all_gather {key}")
+
+    def all_reduce_mean(self, flat: torch.Tensor, *, key: str, timeout: float | None = None) -> None:
+        timeout = self.timeout if timeout is None else timeout
+        if self.world_size == 1:
+            return
+        if self._coll is None:
+            raise RuntimeError("this transport was built without exact=True")
+        work = flat.detach().to("cpu", torch.float32, copy=True)
+
+        def run() -> None:
+            with self._coll_lock:
+                dist.all_reduce(work, group=self._coll)
+
+        call_with_deadline(run, timeout, f"all_reduce {key}")
+        flat.copy_((work / self.world_size).to(device=flat.device, dtype=flat.dtype))
+
+
+class LocalHub:
+    """An in-process stand-in for a network: ``world_size`` workers that are threads of one process.
+
+    ``hub.transport(rank)`` gives each worker its :class:`LocalTransport`. ``delay`` (a callable taking the key and
+    returning a :class:`threading.Event` or None) lets tests hold an exchange open until they release it.
+    """
+
+    def __init__(self, world_size: int, gate: Callable[[str], threading.Event | None] | None = None):
+        self.world_size = world_size
+        self.gate = gate
+        self._slots: dict[tuple[str, int, int], bytes] = {}
+        self._cond = threading.Condition()
+        self.dead: set[int] = set()
+
+    def transport(self, rank: int) -> LocalTransport:
+        return LocalTransport(self, rank)
+
+    def _put(self, key: str, src: int, dst: int, payload: bytes) -> None:
+        with self._cond:
+            self._slots[(key, src, dst)] = payload
+            self._cond.notify_all()
+
+    def _take(self, key: str, src: int, dst: int, timeout: float) -> bytes:
+        with self._cond:
+            ok = self._cond.wait_for(lambda: (key, src, dst) in self._slots or src in self.dead, timeout)
+            if not ok or (key, src, dst) not in self._slots:
+                raise ExchangeError(f"exchange {key}: no payload from rank {src} within {timeout:.1f} s")
+            return self._slots.pop((key, src, dst))
+
+
+class LocalTransport(Transport):
+    """One worker's end of a :class:`LocalHub`."""
+
+    def __init__(self, hub: LocalHub, rank: int):
+        self.hub = hub
+        self.rank = rank
+        self.world_size = hub.world_size
+
+    def exchange(self, peer: int, payload: bytes, *, key: str, timeout: float = 60.0) -> bytes:
+        if self.rank in self.hub.dead:
+            raise ExchangeError("this worker is marked dead")
+        gate = self.hub.gate(key) if self.hub.gate else None
+        if gate is not None and not gate.wait(timeout):
+            raise ExchangeError(f"exchange {key} held past {timeout:.1f} s")
+        self.hub._put(key, self.rank, peer, payload)
+        return self.hub._take(key, peer, self.rank, timeout)
+
+    def all_gather(self, payload: bytes, *, key: str, timeout: float = 60.0) -> list[bytes]:
+        for dst in range(self.world_size):
+            if dst != self.rank:
+                self.hub._put(key, self.rank, dst, payload)
+        return [payload if src == self.rank else self.hub._take(key, src, self.rank, timeout)
+                for src in range(self.world_size)]

@@ -1,0 +1,71 @@
+"""Per-round diagnostics of Factored Gossip DiLoCo."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["RoundStats"]
+
+
+@dataclass
+class RoundStats:
+    """What one outer round did on this worker. Times in seconds, sizes in bytes.
+
+    Attributes:
+        round: index of the outer round that just finished (0-based).
+        inner_steps: inner optimizer steps in the round (= ``sync_every``).
+        round_seconds: wall time from the end of the previous outer step to the end of this one.
+        inner_seconds: ``round_seconds`` minus the time blocked in synchronisation: the time the worker spent
+            on its own work (forward, backward, inner step, data loading).
+        mix2_seconds: time blocked in Mix2 (pseudo-gradient gossip).
+        mix1_wait_seconds: time spent waiting for Mix1 (parameter gossip) after Mix2; ~0 when Mix1 hid behind
+            the inner steps.
+        mix1_seconds: Mix1's own duration (in the background).
+        outer_seconds: time of the local outer (Nesterov) step.
+        utilisation: ``inner_seconds / round_seconds``, in [0, 1].
+        mix1_bytes_sent, mix1_bytes_received, mix2_bytes_sent, mix2_bytes_received: frame bytes on the wire.
+        consensus_distance: ``‖θ_i − θ_peer‖₂`` of the round-start parameters, from Mix1's exchange (None when
+            Mix1 exchanged nothing).
+        failed_exchanges: exchanges of either mix that failed, timed out, were rejected or skipped.
+        mix1_peers, mix2_peers: the peer of each gossip round (None: no peer, -1: all-reduce).
+        errors: one line per failure.
+    """
+
+    round: int
+    inner_steps: int
+    round_seconds: float
+    inner_seconds: float
+    mix2_seconds: float
+    mix1_wait_seconds: float
+    mix1_seconds: float
+    outer_seconds: float
+    utilisation: float
+    mix1_bytes_sent: int
+    mix1_bytes_received: int
+    mix2_bytes_sent: int
+    mix2_bytes_received: int
+    consensus_distance: float | None
+    failed_exchanges: int
+    mix1_peers: list[int | None] = field(default_factory=list)
+    mix2_peers: list[int | None] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.mix1_bytes_sent + self.mix2_bytes_sent
+
+    @property
+    def bytes_received(self) -> int:
+        return self.mix1_bytes_received + self.mix2_bytes_received
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["bytes_sent"] = self.bytes_sent
+        d["bytes_received"] = self.bytes_received
+        return d
+
+    def scalars(self) -> dict[str, float]:
+        """The numeric diagnostics, for loggers (``None`` consensus distance is left out)."""
+        out = {k: float(v) for k, v in self.as_dict().items() if isinstance(v, (int, float)) and v is not None}
+        return out

@@ -1,0 +1,397 @@
+"""``FGDiLoCo``: the optimizer wrapper that runs Factored Gossip DiLoCo around the user's inner optimizer."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..factor.codec import Codec, resolve_codec
+from ..factor.frame import layout_fingerprint
+from ..gossip.mix import Mixer, MixResult, PeerHealth
+from ..gossip.topology import Topology, make_topology
+from ..gossip.transport import DistributedTransport, Transport
+from .stats import RoundStats
+
+__all__ = ["FGDiLoCo"]
+
+log = logging.getLogger("fgdiloco")
+
+STATE_VERSION = 1
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_number(name: str, value: Any, *, low: float, low_ok: bool, high: float | None = None,
+                  allowed: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number ({allowed}), got {type(value).__name__}")
+    ok = (value >= low if low_ok else value > low) and (high is None or value < high) and math.isfinite(value)
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    return float(value)
+
+
+def _check_count(name: str, value: Any, *, minimum: int, what: str) -> int:
+    if not _is_int(value):
+        raise TypeError(f"{name} must be an int >= {minimum} ({what}), got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum} ({what}), got {value}")
+    return value
+
+
+class _Mix1Job:
+    """Mix1 running in a background thread; :meth:`wait` returns its :class:`MixResult`."""
+
+    def __init__(self, mixer: Mixer, values: list[torch.Tensor], outer_round: int):
+        self._result: MixResult | None = None
+        self._error: BaseException | None = None
+        self.started = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, args=(mixer, values, outer_round),
+                                        name=f"fgdiloco-mix1-{outer_round}", daemon=True)
+        self._thread.start()
+
+    def _run(self, mixer: Mixer, values: list[torch.Tensor], outer_round: int) -> None:
+        try:
+            with torch.no_grad():
+                self._result = mixer.run(values, outer_round)
+        except BaseException as e:  # noqa: BLE001 - re-raised in wait()
+            self._error = e
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> MixResult:
+        self._thread.join()
+        if self._error is not None:
+            raise RuntimeError("Mix1 failed") from self._error
+        assert self._result is not None
+        return self._result
+
+
+class FGDiLoCo:
+    """Factored Gossip DiLoCo around an inner optimizer (Hewa Koneputugodage et al., ICML 2026, arXiv 2606.22768).
+
+    Each worker runs its own copy of the model. Every ``sync_every`` (H) inner steps one *outer round* ends:
+
+    1. **Mix1** (non-blocking) gossips the round-start parameters ``θ_i^t`` with ``mix1_rounds`` peers. It starts at
+       the round start in a background thread and overlaps the H inner steps; it depends only on ``θ^t``, so it is
+       never stale.
+    2. The inner optimizer takes H steps from the *unmixed* ``θ_i^t``; the pseudo-gradient is
+       ``Δ_i = θ_i^t − θ_i``.
+    3. **Mix2** (blocking) gossips ``Δ_i`` through ``codec`` (e.g. a low-rank factorisation with error feedback)
+       over ``mix2_rounds`` gossip rounds: ``Δ̄_i``.
+    4. Wait for Mix1: ``θ̄_i``. The local outer step (SGD with Nesterov momentum, momentum kept per worker) gives
+       ``θ_i^{t+1} = θ̄_i − outer_lr · Nesterov(Δ̄_i)``. The inner optimizer's state is kept across rounds.
+
+    With ``topology="allreduce"`` both mixes are the exact average and this is DiLoCo (Douillard et al., arXiv
+    2311.08105); Mix1 is then skipped because exact rounds keep the replicas identical. ``mix2_rounds=0`` makes
+    synchronisation fully non-blocking; more Mix2 rounds tighten agreement at the price of blocking time.
+
+    Use it like any optimizer::
+
+        opt = FGDiLoCo(model, torch.optim.AdamW(model.parameters(), lr=3e-4), sync_every=50)
+        for x, y in loader:
+            loss_fn(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+
+    The round is triggered by a step hook on the inner optimizer, so stepping ``inner_optimizer`` directly (as
+    Lightning or a ``GradScaler`` does) counts as well. Attach LR schedulers to the inner optimizer.
+
+    Tuning: raise ``sync_every`` until the inner steps of one round take longer than Mix1 takes on your network
+    (utilisation in :attr:`last_round` near 1); ``outer_lr`` 0.7 with momentum 0.9 and Nesterov is DiLoCo's
+    setting; if ``last_round.consensus_distance`` keeps growing, add Mix2 rounds or use the exponential topology.
+
+    Args:
+        model: the worker's model. Its trainable parameters (``requires_grad``) are synchronised.
+        inner_optimizer: a ``torch.optim.Optimizer`` over (at least) all trainable parameters of ``model``.
+        sync_every: H, inner steps per outer round (int >= 1).
+        outer_lr: outer learning rate η (> 0).
+        outer_momentum: outer momentum in [0, 1).
+        nesterov: Nesterov momentum for the outer step (ignored when ``outer_momentum`` is 0).
+        topology: ``"random"`` (default), ``"exponential"``, ``"ring"``, ``"allreduce"`` or a
+            :class:`~fgdiloco.gossip.Topology`.
+        mix1_rounds: gossip rounds of Mix1 per outer round (int >= 0).
+        mix2_rounds: gossip rounds of Mix2 per outer round (int >= 0).
+        codec: Mix2's codec (name or :class:`~fgdiloco.factor.Codec`); default lossless ``"dense"`` fp32.
+        mix1_codec: Mix1's codec; default ``"bf16"``: parameters are mixed in difference form, so bf16 rounding
+            touches only the difference between replicas and halves Mix1's bytes (see
+            :class:`~fgdiloco.factor.BF16`).
+        timeout: seconds each exchange may take before it counts as failed (the worker keeps its own value).
+        seed: seed of random gossip schedules (must be equal on all workers).
+        broadcast_init: copy rank 0's parameters and buffers to every worker at construction.
+        process_group: the ``torch.distributed`` group of the workers (default: the default group when
+            ``torch.distributed`` is initialised; a single worker otherwise).
+        transport: a custom :class:`~fgdiloco.gossip.Transport` (tests, other networks); overrides
+            ``process_group`` and disables ``broadcast_init``.
+
+    Raises:
+        TypeError: an argument of the wrong type.
+        ValueError: an argument out of range (the message names it and what is allowed), or an inner optimizer
+            that does not hold all of the model's trainable parameters.
+
+    Construction is collective over the process group: every worker must construct it.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        *,
+        sync_every: int,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        topology: str | Topology = "random",
+        mix1_rounds: int = 1,
+        mix2_rounds: int = 1,
+        codec: Codec | str | None = None,
+        mix1_codec: Codec | str | None = None,
+        timeout: float = 60.0,
+        seed: int = 0,
+        broadcast_init: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        transport: Transport | None = None,
+    ):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(inner_optimizer, torch.optim.Optimizer):
+            raise TypeError(f"inner_optimizer must be a torch.optim.Optimizer, got {type(inner_optimizer).__name__}")
+        self.sync_every = _check_count("sync_every", sync_every, minimum=1, what="inner steps H per outer round")
+        self.outer_lr = _check_number("outer_lr", outer_lr, low=0.0, low_ok=False, allowed="a finite number > 0")
+        self.outer_momentum = _check_number("outer_momentum", outer_momentum, low=0.0, low_ok=True, high=1.0,
+                                            allowed="in [0, 1)")
+        self.mix1_rounds = _check_count("mix1_rounds", mix1_rounds, minimum=0, what="gossip rounds of Mix1")
+        self.mix2_rounds = _check_count("mix2_rounds", mix2_rounds, minimum=0, what="gossip rounds of Mix2")
+        self.timeout = _check_number("timeout", timeout, low=0.0, low_ok=False, allowed="seconds > 0")
+        if not _is_int(seed):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        self.seed = seed
+        self.nesterov = bool(nesterov) and self.outer_momentum > 0
+        self.codec = resolve_codec(codec, default="dense", argument="codec")
+        self.mix1_codec = resolve_codec(mix1_codec, default="bf16", argument="mix1_codec")
+
+        self.model = model
+        self.inner_optimizer = inner_optimizer
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("model has no trainable parameters (requires_grad=True) to synchronise")
+        held = {id(p) for group in inner_optimizer.param_groups for p in group["params"]}
+        missing = [n for n, p in named if id(p) not in held]
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ValueError(f"inner_optimizer does not hold {len(missing)} of the model's trainable parameters "
+                             f"({shown}); build it from model.parameters()")
+        self.param_names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.fingerprint = layout_fingerprint((n, p.shape, p.dtype) for n, p in named)
+
+        # Who the workers are.
+        name = topology.name if isinstance(topology, Topology) else topology
+        if not isinstance(name, str):
+            raise TypeError(f"topology must be a name or a Topology, got {type(topology).__name__}")
+        if transport is None and (process_group is not None or (dist.is_available() and dist.is_initialized())):
+            exact = make_topology(name, 1).exact if isinstance(topology, str) else topology.exact
+            transport = DistributedTransport(process_group, timeout=self.timeout, exact=exact)
+            if broadcast_init:
+                self._broadcast_from_rank0(transport)
+        self.transport = transport
+        self.rank = transport.rank if transport else 0
+        self.world_size = transport.world_size if transport else 1
+        self.topology = make_topology(topology, self.world_size, seed)
+        topo2 = topology if isinstance(topology, Topology) else make_topology(name, self.world_size, seed + 1)
+        health = PeerHealth()
+        self._mixer1 = Mixer("mix1", self.topology, transport, self.mix1_codec,
+                             0 if self.topology.exact else self.mix1_rounds, "difference", self.fingerprint,
+                             self.timeout, offset=0, health=health)
+        self._mixer2 = Mixer("mix2", topo2, transport, self.codec, self.mix2_rounds, "replace", self.fingerprint,
+                             self.timeout, offset=1, health=health)
+
+        with torch.no_grad():
+            self._anchor = [p.detach().clone() for p in self.params]
+        self.outer_optimizer = torch.optim.SGD(self._anchor, lr=self.outer_lr, momentum=self.outer_momentum,
+                                               nesterov=self.nesterov)
+        self._round = 0
+        self._steps_in_round = 0
+        self._mix1: _Mix1Job | None = None
+        self._round_t0: float | None = None
+        self.last_round: RoundStats | None = None
+        self.failed_exchanges_total = 0
+        self._hooks = [inner_optimizer.register_step_pre_hook(self._pre_step),
+                       inner_optimizer.register_step_post_hook(self._post_step)]
+
+    # ------------------------------------------------------------------ set-up
+    def _broadcast_from_rank0(self, transport: DistributedTransport) -> None:
+        src = transport.global_ranks[0]
+        with torch.no_grad():
+            for t in list(self.model.parameters()) + list(self.model.buffers()):
+                dist.broadcast(t.data, src=src, group=transport.group)
+
+    # ------------------------------------------------------------------ the user's API
+    @property
+    def round(self) -> int:
+        """Outer rounds completed so far."""
+        return self._round
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's parameter groups."""
+        return self.inner_optimizer.param_groups
+
+    def step(self, closure: Callable[[], float] | None = None) -> Any:
+        """One inner optimizer step; every ``sync_every``-th one ends with the outer round. Returns the closure's
+        loss, like ``torch.optim.Optimizer.step``."""
+        return self.inner_optimizer.step(closure) if closure is not None else self.inner_optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner_optimizer.zero_grad(set_to_none=set_to_none)
+
+    # ------------------------------------------------------------------ the round state machine
+    def _start_mix1(self) -> None:
+        self._mix1 = _Mix1Job(self._mixer1, [a.detach().clone() for a in self._anchor], self._round)
+
+    def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._mix1 is None:
+            if self._round_t0 is None:
+                self._round_t0 = time.perf_counter()
+            self._start_mix1()
+
+    def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._steps_in_round += 1
+        if self._steps_in_round >= self.sync_every:
+            self.sync()
+
+    @torch.no_grad()
+    def sync(self) -> RoundStats:
+        """End the current outer round now (Mix2, wait for Mix1, outer step) and start the next one.
+
+        Called automatically after every ``sync_every``-th inner step; call it yourself only to end a round early.
+        Every worker must end the same rounds.
+        """
+        t_sync = time.perf_counter()
+        if self._mix1 is None:
+            self._start_mix1()
+        if self._round_t0 is None:
+            self._round_t0 = t_sync
+        delta = [a - p.detach() for a, p in zip(self._anchor, self.params)]
+        mix2 = self._mixer2.run(delta, self._round)
+        t_mix2 = time.perf_counter()
+        mix1 = self._mix1.wait()
+        t_mix1 = time.perf_counter()
+        for a, theta, d in zip(self._anchor, mix1.values, mix2.values):
+            a.copy_(theta)
+            a.grad = d.to(dtype=a.dtype, device=a.device)
+        self.outer_optimizer.step()
+        for a, p in zip(self._anchor, self.params):
+            p.copy_(a)
+            a.grad = None
+        t_end = time.perf_counter()
+
+        round_seconds = t_end - self._round_t0
+        blocked = t_end - t_sync
+        inner_seconds = max(round_seconds - blocked, 0.0)
+        stats = RoundStats(
+            round=self._round,
+            inner_steps=self._steps_in_round,
+            round_seconds=round_seconds,
+            inner_seconds=inner_seconds,
+            mix2_seconds=t_mix2 - t_sync,
+            mix1_wait_seconds=t_mix1 - t_mix2,
+            mix1_seconds=mix1.seconds,
+            outer_seconds=t_end - t_mix1,
+            utilisation=inner_seconds / round_seconds if round_seconds > 0 else 1.0,
+            mix1_bytes_sent=mix1.bytes_sent,
+            mix1_bytes_received=mix1.bytes_received,
+            mix2_bytes_sent=mix2.bytes_sent,
+            mix2_bytes_received=mix2.bytes_received,
+            consensus_distance=mix1.consensus_distance,
+            failed_exchanges=mix1.failed + mix2.failed,
+            mix1_peers=mix1.peers,
+            mix2_peers=mix2.peers,
+            errors=mix1.errors + mix2.errors,
+        )
+        self.failed_exchanges_total += stats.failed_exchanges
+        self.last_round = stats
+        self._round += 1
+        self._steps_in_round = 0
+        self._round_t0 = t_end
+        self._start_mix1()
+        return stats
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue the same trajectory, except the model's weights (save
+        ``model.state_dict()`` beside it, as with any optimizer): inner optimizer state, outer momentum, the
+        round-start snapshot, round and step counters, schedule seed and topology, codec states."""
+        return {
+            "version": STATE_VERSION,
+            "inner": self.inner_optimizer.state_dict(),
+            "outer": self.outer_optimizer.state_dict(),
+            "anchor": [a.detach().clone() for a in self._anchor],
+            "round": self._round,
+            "steps_in_round": self._steps_in_round,
+            "sync_every": self.sync_every,
+            "seed": self.seed,
+            "topology": self.topology.name,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "fingerprint": self.fingerprint,
+            "codec": {"name": self.codec.name, "state": self.codec.state_dict()},
+            "mix1_codec": {"name": self.mix1_codec.name, "state": self.mix1_codec.state_dict()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`. Call it on every worker before the first step of the resumed run.
+
+        Raises:
+            ValueError: a state of another version, model layout, codec or seed.
+        """
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise ValueError(f"not an FGDiLoCo state dict of version {STATE_VERSION}")
+        if state["fingerprint"] != self.fingerprint:
+            raise ValueError("state dict was saved for another model layout (parameter names, shapes or dtypes)")
+        for key, codec in (("codec", self.codec), ("mix1_codec", self.mix1_codec)):
+            if state[key]["name"] != codec.name:
+                raise ValueError(f"state dict was saved with {key}={state[key]['name']!r}, this run uses "
+                                 f"{codec.name!r}")
+        if state["seed"] != self.seed:
+            raise ValueError(f"state dict was saved with seed={state['seed']}, this run uses seed={self.seed}; "
+                             "the gossip schedule would change")
+        if self._mix1 is not None:  # a Mix1 of the pre-load round may be in flight: let it end, then drop it
+            self._mix1.wait()
+            self._mix1 = None
+        self.inner_optimizer.load_state_dict(state["inner"])
+        with torch.no_grad():
+            for a, saved in zip(self._anchor, state["anchor"]):
+                a.copy_(saved)
+        self.outer_optimizer.load_state_dict(state["outer"])
+        self._round = int(state["round"])
+        self._steps_in_round = int(state["steps_in_round"])
+        self._round_t0 = None
+        self.codec.load_state_dict(state["codec"]["state"])
+        self.mix1_codec.load_state_dict(state["mix1_codec"]["state"])
+
+    def close(self) -> None:
+        """Wait for an in-flight Mix1, remove the step hooks. The wrapper cannot be used afterwards."""
+        if self._mix1 is not None:
+            self._mix1.wait()
+            self._mix1 = None
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def __repr__(self) -> str:
+        return (f"FGDiLoCo(sync_every={self.sync_every}, outer_lr={self.outer_lr}, "
+                f"outer_momentum={self.outer_momentum}, nesterov={self.nesterov}, topology={self.topology.name!r}, "
+                f"mix1_rounds={self.mix1_rounds}, mix2_rounds={self.mix2_rounds}, codec={self.codec!r}, "
+                f"mix1_codec={self.mix1_codec!r}, world_size={self.world_size}, rank={self.rank})")
