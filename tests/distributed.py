@@ -4,13 +4,15 @@
 process group on a FileStore, calls ``fn(rank, world_size, *args)`` and sends its (picklable) return value back
 through a pipe. The parent returns the list of results indexed by rank; a child that raised re-raises here with
 its traceback, a child that died (``os._exit``) or is still running after ``timeout`` seconds gives ``None``
-(``allow_missing``) or fails the test.
+(``allow_missing``) or fails the test. ``store="tcp"`` uses a TCPStore hosted by rank 0 instead of a FileStore.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
+import select
 import signal
 import time
 import traceback
@@ -21,12 +23,36 @@ import torch
 import torch.distributed as dist
 
 
-def _child(fn: Callable[..., Any], rank: int, world: int, store_path: str, wfd: int, args: tuple) -> None:
+def _init(rank: int, world: int, store_path: str, store: str) -> None:
+    if store == "file":
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+        return
+    # TCPStore hosted by rank 0 (port 0: the OS picks a free one, published through a file). Used by fault tests:
+    # a SIGSTOPped rank could freeze while holding a FileStore's file lock; a TCPStore client holds no lock.
+    port_file = store_path + ".port"
+    if rank == 0:
+        tcp = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+        with open(port_file + ".tmp", "w") as f:
+            f.write(str(tcp.port))
+        os.replace(port_file + ".tmp", port_file)
+    else:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(port_file):
+            if time.monotonic() > deadline:
+                raise TimeoutError("rank 0 did not publish its TCPStore port")
+            time.sleep(0.005)
+        with open(port_file) as f:
+            tcp = dist.TCPStore("127.0.0.1", int(f.read()), world, is_master=False)
+    dist.init_process_group("gloo", store=tcp, rank=rank, world_size=world)
+
+
+def _child(fn: Callable[..., Any], rank: int, world: int, store_path: str, store: str, wfd: int,
+           args: tuple) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     code = 0
     try:
-        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+        _init(rank, world, store_path, store)
         out = ("ok", fn(rank, world, *args))
     except BaseException as e:  # noqa: BLE001 - sent to the parent
         out = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
@@ -38,39 +64,39 @@ def _child(fn: Callable[..., Any], rank: int, world: int, store_path: str, wfd: 
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, tmp_path: Any, *args: Any, timeout: float = 120.0,
-              allow_missing: Iterable[int] = ()) -> list[Any]:
-    store = os.path.join(str(tmp_path), f"store-{time.monotonic_ns()}")
+              allow_missing: Iterable[int] = (), store: str = "file") -> list[Any]:
+    store_path = os.path.join(str(tmp_path), f"store-{time.monotonic_ns()}")
     children = []
     for rank in range(world_size):
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:
             os.close(r)
-            _child(fn, rank, world_size, store, w, args)
+            _child(fn, rank, world_size, store_path, store, w, args)
         os.close(w)
         children.append((pid, r))
     results: list[Any] = [None] * world_size
-    deadline = time.monotonic() + timeout
     allow = set(allow_missing)
+    buffers: dict[int, list[bytes]] = {rank: [] for rank in range(world_size)}
+    open_fds = {r: rank for rank, (_, r) in enumerate(children)}
+    deadline = time.monotonic() + timeout
+    grace_end = None  # once every required rank has answered, optional ranks get a short grace period
+    while open_fds and time.monotonic() < deadline and (grace_end is None or time.monotonic() < grace_end):
+        ready, _, _ = select.select(list(open_fds), [], [], 0.05)
+        for fd in ready:
+            chunk = os.read(fd, 1 << 20)
+            if chunk:
+                buffers[open_fds[fd]].append(chunk)
+            else:
+                os.close(fd)
+                del open_fds[fd]
+        if grace_end is None and all(rank in allow for rank in open_fds.values()):
+            grace_end = time.monotonic() + 1.0
+    for fd in open_fds:
+        os.close(fd)
     errors = []
-    for rank, (pid, r) in enumerate(children):
-        chunks = []
-        with os.fdopen(r, "rb") as f:
-            os.set_blocking(f.fileno(), False)
-            while True:
-                try:
-                    chunk = f.read()
-                except BlockingIOError:
-                    chunk = None
-                if chunk:
-                    chunks.append(chunk)
-                    continue
-                if chunk == b"":
-                    break
-                if time.monotonic() > deadline:
-                    break
-                time.sleep(0.01)
-        data = b"".join(chunks)
+    for rank in range(world_size):
+        data = b"".join(buffers[rank])
         if data:
             status, value = pickle.loads(data)
             if status == "error":
@@ -79,10 +105,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, tmp_path: Any, *args: Any
         elif rank not in allow:
             errors.append(f"rank {rank} returned nothing (died or timed out)")
     for pid, _ in children:  # reap; kill stragglers (hung or stopped ranks)
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         os.waitpid(pid, 0)
     if errors:
         raise AssertionError("\n".join(errors))

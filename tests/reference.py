@@ -1,0 +1,94 @@
+"""A deliberately plain single-process DiLoCo / one-round FG-DiLoCo reference for the tests.
+
+Workers are simulated one after the other in one process: each keeps its own model copy and AdamW state; a round
+runs H AdamW steps from the round-start parameters on that worker's batches, forms the pseudo-gradient
+Δ_i = θ_i^t − φ_i, and the outer step is SGD with Nesterov momentum on the mixed pseudo-gradient from the mixed
+round-start parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 1))
+
+
+_TARGET = torch.linspace(-1.0, 1.0, 6).unsqueeze(1)  # a linear teacher: loss falls steadily
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The deterministic batch of worker ``rank`` at inner step ``step`` (global count)."""
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    x = torch.randn(16, 6, generator=g)
+    return x, 0.5 * x @ _TARGET
+
+
+def loss_of(model: nn.Module, rank: int, step: int) -> torch.Tensor:
+    x, y = batch(rank, step)
+    return ((model(x) - y) ** 2).mean()
+
+
+INNER_LR = 1e-2
+
+
+def diloco_reference(
+    init: list[dict[str, torch.Tensor]],
+    rounds: int,
+    sync_every: int,
+    *,
+    outer_lr: float = 0.7,
+    outer_momentum: float = 0.9,
+    mix: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
+) -> list[list[torch.Tensor]]:
+    """Parameters of every worker after ``rounds`` rounds.
+
+    ``init``: each worker's initial ``state_dict``. ``mix`` maps the stacked per-worker tensors (one tensor of shape
+    [M, ...] per parameter... applied per parameter) to mixed ones; default: exact average (DiLoCo). The same mix is
+    used for parameters (Mix1) and pseudo-gradients (Mix2).
+    """
+    m = len(init)
+    models = []
+    inners = []
+    for sd in init:
+        model = make_model()
+        model.load_state_dict(sd)
+        models.append(model)
+        inners.append(torch.optim.AdamW(model.parameters(), lr=INNER_LR))
+    if mix is None:
+        def mix(stacked: list[torch.Tensor]) -> list[torch.Tensor]:
+            return [s.mean(0, keepdim=True).expand_as(s).clone() for s in stacked]
+    theta = [[p.detach().clone() for p in mdl.parameters()] for mdl in models]
+    bufs: list[list[torch.Tensor] | None] = [None] * m
+    step = 0
+    for _ in range(rounds):
+        deltas = []
+        for i, (mdl, opt) in enumerate(zip(models, inners)):
+            with torch.no_grad():
+                for p, t in zip(mdl.parameters(), theta[i]):
+                    p.copy_(t)
+            for s in range(sync_every):
+                loss_of(mdl, i, step + s).backward()
+                opt.step()
+                opt.zero_grad()
+            deltas.append([t - p.detach() for t, p in zip(theta[i], mdl.parameters())])
+        step += sync_every
+        n = len(theta[0])
+        mixed_theta = mix([torch.stack([theta[i][k] for i in range(m)]) for k in range(n)])
+        mixed_delta = mix([torch.stack([deltas[i][k] for i in range(m)]) for k in range(n)])
+        for i in range(m):
+            new = []
+            for k in range(n):
+                d = mixed_delta[k][i]
+                if bufs[i] is None:
+                    bufs[i] = [torch.zeros_like(t) for t in theta[i]]
+                buf = bufs[i][k]
+                buf.mul_(outer_momentum).add_(d)
+                new.append(mixed_theta[k][i] - outer_lr * (d + outer_momentum * buf))
+            theta[i] = new
+    return theta

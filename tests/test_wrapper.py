@@ -1,0 +1,237 @@
+"""FGDiLoCo: DiLoCo equivalence, Mix1 overlap without staleness, argument checks, resume."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from fgdiloco import FGDiLoCo, LocalHub
+from fgdiloco.outer.stats import RoundStats
+from tests.distributed import run_ranks
+from tests.reference import INNER_LR, diloco_reference, loss_of, make_model
+
+H = 4
+
+
+def _train(rank: int, world: int, rounds: int, kwargs: dict) -> list[list[float]]:
+    model = make_model(seed=0)
+    opt = FGDiLoCo(model, torch.optim.AdamW(model.parameters(), lr=INNER_LR), sync_every=H, timeout=20.0,
+                   **kwargs)
+    for step in range(rounds * H):
+        loss_of(model, rank, step).backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.round == rounds
+    assert opt.failed_exchanges_total == 0
+    return [p.detach().flatten().tolist() for p in model.parameters()]
+
+
+def test_allreduce_without_codec_is_diloco(tmp_path):
+    rounds, m = 3, 4
+    results = run_ranks(_train, m, tmp_path, rounds, {"topology": "allreduce"})
+    init = make_model(seed=0).state_dict()
+    want = diloco_reference([init] * m, rounds, H)
+    for rank, got in enumerate(results):
+        for g, w in zip(got, want[rank]):
+            torch.testing.assert_close(torch.tensor(g).view(w.shape), w, rtol=0, atol=1e-5)
+    # every worker holds the same parameters, as DiLoCo's do
+    assert all(r == results[0] for r in results)
+
+
+def test_gossip_run_trains_and_replicas_differ_between_exact_rounds(tmp_path):
+    results = run_ranks(_train, 4, tmp_path, 3, {"topology": "random"})
+    assert results[0] != results[1]
+
+
+def _stats_run(rank: int, world: int) -> dict:
+    model = make_model(seed=rank)  # different starts: Mix1 has work to do
+    opt = FGDiLoCo(model, torch.optim.AdamW(model.parameters(), lr=INNER_LR), sync_every=H, topology="exponential",
+                   broadcast_init=False, timeout=20.0)
+    for step in range(3 * H):
+        loss_of(model, rank, step).backward()
+        opt.step()
+        opt.zero_grad()
+    return opt.last_round.as_dict()
+
+
+def test_round_diagnostics_are_filled_in(tmp_path):
+    for s in run_ranks(_stats_run, 4, tmp_path):
+        assert s["round"] == 2 and s["inner_steps"] == H
+        assert s["mix1_bytes_sent"] > 48 and s["mix2_bytes_sent"] > 48
+        assert s["mix1_bytes_received"] > 48 and s["mix2_bytes_received"] > 48
+        # dense fp32 pseudo-gradients vs bf16 parameters: Mix2 sends about twice Mix1's bytes
+        assert 1.5 < s["mix2_bytes_sent"] / s["mix1_bytes_sent"] < 2.5
+        assert s["consensus_distance"] > 0
+        assert 0 < s["utilisation"] <= 1
+        parts = s["inner_seconds"] + s["mix2_seconds"] + s["mix1_wait_seconds"] + s["outer_seconds"]
+        assert parts == pytest.approx(s["round_seconds"], rel=0.05, abs=2e-3)
+        assert s["failed_exchanges"] == 0 and s["errors"] == []
+
+
+def test_mix1_overlaps_the_inner_steps_and_the_outer_step_uses_mixed_round_start_parameters():
+    """Mix1's exchange is held open until both workers have taken every inner step of the round; the round still
+    completes, and its result is the one-round FG-DiLoCo update from the *mixed round-start* parameters."""
+    m = 2
+    gate = threading.Event()
+    hub = LocalHub(m, gate=lambda key: gate if key.startswith("mix1/") else None)
+    inits = [make_model(seed=10 + r).state_dict() for r in range(m)]
+    reached = [threading.Event() for _ in range(m)]
+    in_flight_at_last_step = [None] * m
+    out: dict[int, list[torch.Tensor]] = {}
+    errors: list[BaseException] = []
+
+    def worker(rank: int) -> None:
+        try:
+            model = make_model()
+            model.load_state_dict(inits[rank])
+            opt = FGDiLoCo(model, torch.optim.AdamW(model.parameters(), lr=INNER_LR), sync_every=H,
+                           topology="random", mix1_codec="dense", transport=hub.transport(rank), timeout=30.0)
+            for step in range(H):
+                loss_of(model, rank, step).backward()
+                if step == H - 1:
+                    in_flight_at_last_step[rank] = not opt._mix1.done()
+                    reached[rank].set()
+                opt.step()
+                opt.zero_grad()
+            assert opt.round == 1
+            out[rank] = [p.detach().clone() for p in model.parameters()]
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+            reached[rank].set()
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(m)]
+    for t in threads:
+        t.start()
+    for ev in reached:
+        assert ev.wait(60)
+    gate.set()  # the slow Mix1 exchange finishes only now
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert in_flight_at_last_step == [True, True]  # every inner step ran while Mix1 was in flight
+    want = diloco_reference(inits, 1, H)  # M = 2 pairwise gossip = exact average
+    for rank in range(m):
+        for g, w in zip(out[rank], want[rank]):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
+
+
+def test_single_process_without_torch_distributed_runs_local_outer_steps():
+    model = make_model()
+    opt = FGDiLoCo(model, torch.optim.AdamW(model.parameters(), lr=INNER_LR), sync_every=H, outer_momentum=0.5)
+    assert opt.world_size == 1
+    held_out = lambda: float(sum(loss_of(model, 0, 10_000 + i).detach() for i in range(4)))
+    first = held_out()
+    for step in range(10 * H):
+        loss_of(model, 0, step).backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.round == 10
+    assert held_out() < 0.5 * first
+    assert isinstance(opt.last_round, RoundStats)
+    assert opt.last_round.bytes_sent == 0
+
+
+def test_closure_is_passed_through_and_returns_the_loss():
+    model = make_model()
+    opt = FGDiLoCo(model, torch.optim.AdamW(model.parameters(), lr=INNER_LR), sync_every=2)
+
+    def closure():
+        opt.zero_grad()
+        loss = loss_of(model, 0, 0)
+        loss.backward()
+        return loss
+
+    assert float(opt.step(closure)) > 0
+    assert opt.step(closure) is not None and opt.round == 1
+
+
+def _new(**kwargs):
+    model = make_model()
+    inner = kwargs.pop("inner", None) or torch.optim.AdamW(model.parameters(), lr=1e-3)
+    kwargs.setdefault("sync_every", 4)
+    return FGDiLoCo(model, inner, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        ({"sync_every": 0}, ValueError, r"sync_every must be an int >= 1"),
+        ({"sync_every": -3}, ValueError, r"sync_every must be an int >= 1"),
+        ({"sync_every": 2.5}, TypeError, r"sync_every must be an int"),
+        ({"sync_every": True}, TypeError, r"sync_every must be an int"),
+        ({"topology": "star"}, ValueError, r"topology='star' is not known; use one of \['allreduce'"),
+        ({"outer_lr": -0.1}, ValueError, r"outer_lr must be a finite number > 0"),
+        ({"outer_lr": 0.0}, ValueError, r"outer_lr must be a finite number > 0"),
+        ({"outer_lr": float("nan")}, ValueError, r"outer_lr"),
+        ({"outer_momentum": 1.0}, ValueError, r"outer_momentum must be in \[0, 1\)"),
+        ({"outer_momentum": -0.5}, ValueError, r"outer_momentum must be in \[0, 1\)"),
+        ({"mix1_rounds": -1}, ValueError, r"mix1_rounds must be an int >= 0"),
+        ({"mix2_rounds": -2}, ValueError, r"mix2_rounds must be an int >= 0"),
+        ({"timeout": 0}, ValueError, r"timeout must be seconds > 0"),
+        ({"codec": "gzip"}, ValueError, r"codec='gzip' is not a known codec; use one of"),
+        ({"mix1_codec": 3}, TypeError, r"mix1_codec must be None, a codec name or"),
+        ({"seed": "x"}, TypeError, r"seed must be an int"),
+    ],
+)
+def test_bad_arguments_raise_naming_the_argument(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        _new(**kwargs)
+
+
+def test_inner_optimizer_must_hold_the_models_parameters():
+    other = make_model()
+    with pytest.raises(ValueError, match=r"inner_optimizer does not hold 4 of the model's trainable parameters"):
+        _new(inner=torch.optim.AdamW(other.parameters(), lr=1e-3))
+    model = make_model()
+    partial = torch.optim.AdamW(list(model.parameters())[:2], lr=1e-3)
+    with pytest.raises(ValueError, match=r"does not hold 2 of .*\(2\.weight, 2\.bias\)"):
+        FGDiLoCo(model, partial, sync_every=2)
+    with pytest.raises(TypeError, match="inner_optimizer must be a torch.optim.Optimizer"):
+        FGDiLoCo(model, "adamw", sync_every=2)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        FGDiLoCo("gpt", torch.optim.AdamW(model.parameters()), sync_every=2)
+
+
+def _resume(rank: int, world: int, phase: str, rounds: int, ckpt: str) -> list[list[float]]:
+    model = make_model(seed=0)
+    opt = FGDiLoCo(model, torch.optim.AdamW(model.parameters(), lr=INNER_LR), sync_every=H, timeout=20.0,
+                   topology="random", seed=7)
+    start = 0
+    if phase == "resume":
+        state = torch.load(f"{ckpt}.{rank}", weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        start = opt.round * H
+    for step in range(start, rounds * H):
+        loss_of(model, rank, step).backward()
+        opt.step()
+        opt.zero_grad()
+    if phase == "save":
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, f"{ckpt}.{rank}")
+    return [p.detach().flatten().tolist() for p in model.parameters()]
+
+
+def test_resume_in_new_processes_continues_the_same_trajectory(tmp_path):
+    k, m = 2, 4
+    ckpt = str(tmp_path / "ckpt")
+    full = run_ranks(_resume, m, tmp_path, "full", k + 2, ckpt)
+    run_ranks(_resume, m, tmp_path, "save", k, ckpt)
+    resumed = run_ranks(_resume, m, tmp_path, "resume", k + 2, ckpt)
+    for a, b in zip(full, resumed):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(torch.tensor(y), torch.tensor(x), rtol=0, atol=1e-6)
+
+
+def test_load_state_dict_rejects_foreign_states():
+    opt = _new(seed=1)
+    state = opt.state_dict()
+    with pytest.raises(ValueError, match="seed=1, this run uses seed=2"):
+        _new(seed=2).load_state_dict(state)
+    with pytest.raises(ValueError, match="not an FGDiLoCo state dict"):
+        opt.load_state_dict({"version": 99})
+    big = torch.nn.Linear(3, 3)
+    other = FGDiLoCo(big, torch.optim.AdamW(big.parameters()), sync_every=2)
+    with pytest.raises(ValueError, match="another model layout"):
+        other.load_state_dict(state)
