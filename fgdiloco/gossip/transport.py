@@ -11,6 +11,10 @@ TCPStore, about 25 ms on a FileStore), paid once per gossip round, not per inner
 Every call has a deadline: when it passes, the call raises :class:`ExchangeError` and the caller keeps its own
 value. The thread doing the exchange is a daemon and ends when Gloo's own timeout fires.
 
+Each exchange in flight talks to the store over its own connection (:class:`_StorePool` of ``Store.clone()``s):
+a store client serialises its operations, so Mix1's background exchange waiting for its peer's address would
+otherwise hold up Mix2's on the main thread, and two workers could each wait for the other (seen on a TCPStore).
+
 :class:`LocalHub` is the in-process stand-in (threads as workers) used by fast unit tests.
 """
 
@@ -55,6 +59,26 @@ def call_with_deadline(fn: Callable[[], T], timeout: float, what: str) -> T:
         err = box["error"]
         raise ExchangeError(f"{what} failed: {type(err).__name__}: {err}") from err
     return box["value"]
+
+
+class _StorePool:
+    """Store connections handed to one exchange at a time (a clone costs ~0.2 s on a TCPStore, so they are
+    reused). A timed-out exchange gives its connection back only when its thread really ends."""
+
+    def __init__(self, store: dist.Store, warm: int = 2):
+        self._base = store
+        self._free = [store.clone() for _ in range(warm)]
+        self._lock = threading.Lock()
+
+    def acquire(self) -> dist.Store:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return self._base.clone()
+
+    def release(self, store: dist.Store) -> None:
+        with self._lock:
+            self._free.append(store)
 
 
 class Transport(abc.ABC):
@@ -113,7 +137,7 @@ class DistributedTransport(Transport):
         self.world_size = dist.get_world_size(self.group)
         self.global_ranks = dist.get_process_group_ranks(self.group)
         self.timeout = float(timeout)
-        self._store = dist.distributed_c10d._get_default_store()
+        self._stores = _StorePool(dist.distributed_c10d._get_default_store())
         nonce = torch.tensor([secrets.randbits(62) if self.rank == 0 else 0], dtype=torch.int64)
         backend = dist.get_backend(self.group)
         if backend == "nccl":
@@ -126,11 +150,11 @@ class DistributedTransport(Transport):
                                         timeout=datetime.timedelta(seconds=self.timeout))
         self._coll_lock = threading.Lock()
 
-    def _pair_group(self, peer: int, key: str, timeout: float) -> tuple[Any, int]:
+    def _pair_group(self, peer: int, key: str, timeout: float, store: dist.Store) -> tuple[Any, int]:
         a, b = sorted((self.rank, peer))
-        store = dist.PrefixStore(f"{self.namespace}/{key}/{a}-{b}", self._store)
         me = 0 if self.rank == a else 1
-        pg = dist.ProcessGroupGloo(store, me, 2, datetime.timedelta(seconds=timeout))
+        prefixed = dist.PrefixStore(f"{self.namespace}/{key}/{a}-{b}", store)
+        pg = dist.ProcessGroupGloo(prefixed, me, 2, datetime.timedelta(seconds=timeout))
         return pg, 1 - me
 
     def exchange(self, peer: int, payload: bytes, *, key: str, timeout: float | None = None) -> bytes:
@@ -139,7 +163,14 @@ class DistributedTransport(Transport):
         timeout = self.timeout if timeout is None else timeout
 
         def run() -> bytes:
-            pg, other = self._pair_group(peer, key, timeout)
+            store = self._stores.acquire()
+            try:
+                return _exchange(store)
+            finally:
+                self._stores.release(store)
+
+        def _exchange(store: dist.Store) -> bytes:
+            pg, other = self._pair_group(peer, key, timeout, store)
             n_out = torch.tensor([len(payload)], dtype=torch.int64)
             n_in = torch.zeros(1, dtype=torch.int64)
             works = [pg.send([n_out], other, 0), pg.recv([n_in], other, 0)]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +27,17 @@ __all__ = ["FGDiLoCo"]
 log = logging.getLogger("fgdiloco")
 
 STATE_VERSION = 1
+
+# Wrappers whose next round's Mix1 may be in flight. At interpreter exit each one lets its exchange finish (both
+# peers do the same, so it ends quickly; a dead peer costs at most the timeout): a daemon thread killed inside a
+# Gloo call aborts the process ("terminate called without an active exception").
+_LIVE: weakref.WeakSet[FGDiLoCo] = weakref.WeakSet()
+
+
+@atexit.register
+def _drain_at_exit() -> None:
+    for opt in list(_LIVE):
+        opt.close()
 
 
 def _is_int(x: Any) -> bool:
@@ -229,6 +242,7 @@ class FGDiLoCo:
         self.failed_exchanges_total = 0
         self._hooks = [inner_optimizer.register_step_pre_hook(self._pre_step),
                        inner_optimizer.register_step_post_hook(self._post_step)]
+        _LIVE.add(self)
 
     # ------------------------------------------------------------------ set-up
     def _broadcast_from_rank0(self, transport: DistributedTransport) -> None:
@@ -382,13 +396,16 @@ class FGDiLoCo:
         self.mix1_codec.load_state_dict(state["mix1_codec"]["state"])
 
     def close(self) -> None:
-        """Wait for an in-flight Mix1, remove the step hooks. The wrapper cannot be used afterwards."""
+        """Wait for an in-flight Mix1 and remove the step hooks; the wrapper cannot step afterwards.
+
+        Runs automatically at interpreter exit; call it yourself before ``destroy_process_group()``."""
         if self._mix1 is not None:
             self._mix1.wait()
             self._mix1 = None
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        _LIVE.discard(self)
 
     def __repr__(self) -> str:
         return (f"FGDiLoCo(sync_every={self.sync_every}, outer_lr={self.outer_lr}, "

@@ -1,0 +1,72 @@
+"""FGDiLoCo under torchrun and on a user-supplied process group."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from fgdiloco import FGDiLoCo
+from tests.distributed import run_ranks
+from tests.reference import INNER_LR, loss_of, make_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_runs_under_torchrun(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "scripts" / "torchrun_gossip.py"), str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    outs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for o in outs:
+        assert o["rounds"] == 3 and o["failed"] == 0 and o["mix2_bytes"] > 0
+    assert outs[0]["start"] == outs[1]["start"]  # broadcast_init over torchrun's group
+
+
+def _subgroup(rank: int, world: int) -> dict:
+    members = [1, 2, 3]  # rank 0 stays out of the gossip
+    group = dist.new_group(members)
+    if rank not in members:
+        return {"member": False}
+    model = make_model(seed=0)
+    opt = FGDiLoCo(model, torch.optim.AdamW(model.parameters(), lr=INNER_LR), sync_every=3, topology="random",
+                   process_group=group, timeout=20.0)
+    for step in range(9):
+        loss_of(model, rank, step).backward()
+        opt.step()
+        opt.zero_grad()
+    return {"member": True, "group_rank": opt.rank, "world": opt.world_size, "rounds": opt.round,
+            "failed": opt.failed_exchanges_total, "peers": opt.last_round.mix2_peers}
+
+
+def test_user_supplied_process_group(tmp_path):
+    res = run_ranks(_subgroup, 4, tmp_path)
+    assert res[0] == {"member": False}
+    assert sorted(r["group_rank"] for r in res[1:]) == [0, 1, 2]
+    for r in res[1:]:
+        assert r["world"] == 3 and r["rounds"] == 3 and r["failed"] == 0
+        assert all(p is None or 0 <= p < 3 for p in r["peers"])  # peers are ranks of the user's group
+
+
+def _back_to_back_rounds(rank: int, world: int) -> int:
+    model = make_model(seed=0)
+    opt = FGDiLoCo(model, torch.optim.AdamW(model.parameters(), lr=INNER_LR), sync_every=1, topology="exponential",
+                   timeout=5.0)
+    for step in range(20):
+        loss_of(model, rank, step).backward()
+        opt.step()
+        opt.zero_grad()
+    return opt.failed_exchanges_total
+
+
+def test_mix1_and_mix2_in_flight_together_do_not_block_each_other_on_a_tcp_store(tmp_path):
+    """sync_every=1: Mix1 (background) is still exchanging when Mix2 starts. Both talk to the job's TCPStore,
+    whose client serialises operations; sharing one connection deadlocked the pair until the timeout."""
+    assert run_ranks(_back_to_back_rounds, 2, tmp_path, store="tcp") == [0, 0]
