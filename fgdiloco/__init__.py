@@ -5,7 +5,7 @@ mix of parameters (Mix1) that overlaps the next inner steps, and a blocking goss
 pseudo-gradients (Mix2), followed by a local Nesterov outer step (Hewa Koneputugodage et al., ICML 2026).
 """
 
-from .factor import BF16, Codec, Dense, FrameError, decode_frame, encode_frame, layout_fingerprint
+from .factor import BF16, Codec, Dense, FrameError, Int8, LowRank, decode_frame, encode_frame, layout_fingerprint
 from .gossip import DistributedTransport, ExchangeError, LocalHub, Topology, Transport, make_topology
 from .outer import FGDiLoCo, RoundStats
 
@@ -19,7 +19,9 @@ __all__ = [
     "ExchangeError",
     "FGDiLoCo",
     "FrameError",
+    "Int8",
     "LocalHub",
+    "LowRank",
     "RoundStats",
     "Topology",
     "Transport",

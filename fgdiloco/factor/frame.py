@@ -17,7 +17,10 @@ Layout (little endian)::
     48     ...  payload
 
 A frame that is truncated, altered, foreign (magic, version, codec, layout) or that decodes to NaN/Inf raises
-:class:`FrameError`; a frame never decodes to wrong tensors silently.
+:class:`FrameError`; a frame never decodes to wrong tensors silently. The CRC catches accidents; forged frames
+with a valid CRC are bounded too: the announced body length must fit the codec's ``max_body_bytes`` for the
+expected layout before anything is decompressed, and the zstd stream must be exactly one frame announcing that
+length (so a zstd bomb costs at most the expected body size).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import numpy as np
 import torch
 import zstandard
 
-from .codec import Codec, CodecError
+from .codec import Codec, CodecError, _all_finite
 
 __all__ = ["FrameError", "encode_frame", "decode_frame", "layout_fingerprint", "HEADER_SIZE"]
 
@@ -102,6 +105,10 @@ def encode_frame(
     """
     if len(fingerprint) != 8:
         raise ValueError(f"fingerprint must be 8 bytes, got {len(fingerprint)}")
+    if not 0 <= shuffle <= 255:
+        raise ValueError(f"shuffle must be an element size in [0, 255] bytes, got {shuffle}")
+    if not 0 <= sender < 1 << 32 or not 0 <= round < 1 << 64:
+        raise ValueError(f"sender must be in [0, 2**32) and round in [0, 2**64), got {sender} and {round}")
     flags = 0
     payload = body
     if shuffle:
@@ -139,8 +146,15 @@ def decode_frame(
 
     Raises:
         FrameError: truncated or corrupted frame (length or CRC), wrong magic or version, another codec, another
-            layout, unexpected sender or round, an undecodable body, or NaN/Inf in the decoded tensors.
+            layout, unexpected sender or round, unknown flags, a body longer than ``codec.max_body_bytes(like)``
+            (checked before decompressing), a zstd stream that is not exactly one frame of the announced size,
+            an undecodable body, tensors of the wrong number or shapes, or NaN/Inf in the decoded tensors.
+            Nothing else is raised for any input bytes.
     """
+    try:
+        data = memoryview(data).cast("B")
+    except TypeError as e:
+        raise FrameError(f"a frame must be bytes, got {type(data).__name__}") from e
     if len(data) < HEADER_SIZE:
         raise FrameError(f"truncated frame: {len(data)} bytes, a header alone is {HEADER_SIZE}")
     head = bytes(data[: _HEADER.size])
@@ -155,6 +169,8 @@ def decode_frame(
     payload = bytes(data[HEADER_SIZE:])
     if zlib.crc32(payload, zlib.crc32(head)) != crc:
         raise FrameError("frame checksum mismatch: the frame was corrupted in transit")
+    # From here on the frame is intact as sent: what remains rejects frames from another codec, model or build,
+    # and forged ones (the CRC detects accidents, not intent).
     if codec_id != codec.codec_id:
         raise FrameError(f"frame was encoded with codec id {codec_id}, this worker uses {codec.name} "
                          f"(id {codec.codec_id})")
@@ -165,25 +181,53 @@ def decode_frame(
         raise FrameError(f"frame claims sender rank {f_sender}, expected {sender}")
     if round is not None and f_round != round:
         raise FrameError(f"frame belongs to round {f_round}, expected {round}")
-    if raw_len > MAX_BODY_BYTES:
-        raise FrameError(f"frame announces a {raw_len}-byte body, over the {MAX_BODY_BYTES}-byte limit")
+    if flags & ~(FLAG_ZSTD | FLAG_SHUFFLE):
+        raise FrameError(f"frame has unknown flags {flags:#04x}")
+    if bool(flags & FLAG_SHUFFLE) != (shuffle != 0):
+        raise FrameError(f"frame shuffle flag ({bool(flags & FLAG_SHUFFLE)}) and element size ({shuffle}) disagree")
+    try:
+        limit = min(int(codec.max_body_bytes(like)), MAX_BODY_BYTES)
+    except Exception as e:  # noqa: BLE001 - a codec that cannot size this layout cannot decode it either
+        raise FrameError(f"{codec.name} cannot size a body for this layout: {type(e).__name__}: {e}") from e
+    if raw_len > limit:
+        raise FrameError(f"frame announces a {raw_len}-byte body, over the {limit} bytes {codec.name} can make "
+                         "for this layout")
     body = payload
     if flags & FLAG_ZSTD:
-        try:
-            body = zstandard.ZstdDecompressor().decompress(payload, max_output_size=raw_len)
-        except zstandard.ZstdError as e:
-            raise FrameError(f"frame body does not decompress: {e}") from e
+        body = _decompress(payload, raw_len)
     if len(body) != raw_len:
         raise FrameError(f"frame body is {len(body)} bytes, header says {raw_len}")
     if flags & FLAG_SHUFFLE:
-        if shuffle == 0:
-            raise FrameError("frame says shuffled but gives element size 0")
         body = _unshuffle(body, shuffle)
     try:
         tensors = codec.decode(body, like)
     except CodecError as e:
         raise FrameError(f"frame body does not decode with {codec.name}: {e}") from e
-    for i, t in enumerate(tensors):
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+    except Exception as e:  # noqa: BLE001 - never let a malformed body escape as anything but FrameError
+        raise FrameError(f"frame body does not decode with {codec.name}: {type(e).__name__}: {e}") from e
+    if len(tensors) != len(like):
+        raise FrameError(f"frame decoded to {len(tensors)} tensors, expected {len(like)}")
+    for i, (t, ref) in enumerate(zip(tensors, like)):
+        if tuple(t.shape) != tuple(ref.shape):
+            raise FrameError(f"frame tensor {i} decoded to shape {tuple(t.shape)}, expected {tuple(ref.shape)}")
+        if t.is_floating_point() and not _all_finite(t):
             raise FrameError(f"frame tensor {i} (shape {tuple(t.shape)}) holds NaN or Inf")
     return tensors
+
+
+def _decompress(payload: bytes, raw_len: int) -> bytes:
+    """Decompress one zstd frame of exactly ``raw_len`` bytes; anything else (a zstd bomb, a lying or missing
+    content size, trailing data, a truncated stream) raises :class:`FrameError` without allocating more than
+    ``raw_len`` bytes of output."""
+    try:
+        size = zstandard.frame_content_size(payload)
+    except zstandard.ZstdError as e:
+        raise FrameError(f"frame body is not a zstd frame: {e}") from e
+    if size != raw_len:
+        raise FrameError(f"zstd frame announces {size} bytes, the frame header {raw_len}")
+    try:
+        # the output buffer is the (checked) content size; zstd stops with an error if the stream would exceed it,
+        # and allow_extra_data=False rejects anything after the frame
+        return zstandard.ZstdDecompressor().decompress(payload, max_output_size=raw_len, allow_extra_data=False)
+    except zstandard.ZstdError as e:
+        raise FrameError(f"frame body does not decompress: {e}") from e

@@ -161,7 +161,8 @@ class Mixer:
             return
         stateful = first and self.rule == "replace"
         body, own_q = self.codec.encode(res.values, stateful=stateful)
-        frame = encode_frame(self.codec, body, sender=rank, round=idx, fingerprint=self.fingerprint)
+        frame = encode_frame(self.codec, body, sender=rank, round=idx, fingerprint=self.fingerprint,
+                             shuffle=self.codec.shuffle)
         key = f"{self.name}/{idx}"
         try:
             got = self.transport.exchange(peer, frame, key=key, timeout=self.timeout)
@@ -215,7 +216,8 @@ class Mixer:
         stateful = first and self.rule == "replace"
         rank = self.transport.rank
         body, own_q = self.codec.encode(res.values, stateful=stateful)
-        frame = encode_frame(self.codec, body, sender=rank, round=idx, fingerprint=self.fingerprint)
+        frame = encode_frame(self.codec, body, sender=rank, round=idx, fingerprint=self.fingerprint,
+                             shuffle=self.codec.shuffle)
         try:
             frames = self.transport.all_gather(frame, key=key, timeout=self.timeout)
         except ExchangeError as e:
