@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from fgdiloco import FGDiLoCo, LocalHub
+from fgdiloco import BF16, FGDiLoCo, LocalHub
 from fgdiloco.outer.stats import RoundStats
 from tests.distributed import run_ranks
 from tests.reference import INNER_LR, diloco_reference, loss_of, make_model
@@ -61,8 +61,9 @@ def test_round_diagnostics_are_filled_in(tmp_path):
         assert s["round"] == 2 and s["inner_steps"] == H
         assert s["mix1_bytes_sent"] > 48 and s["mix2_bytes_sent"] > 48
         assert s["mix1_bytes_received"] > 48 and s["mix2_bytes_received"] > 48
-        # dense fp32 pseudo-gradients vs bf16 parameters: Mix2 sends about twice Mix1's bytes
-        assert 1.5 < s["mix2_bytes_sent"] / s["mix1_bytes_sent"] < 2.5
+        # dense fp32 pseudo-gradients vs bf16 parameters: Mix2's frames are larger than Mix1's, by at most the
+        # 2x of the raw element sizes plus what zstd gains more on bf16 than on fp32 (PLATFORM.md: 1.46x vs 1.19x)
+        assert 1.3 < s["mix2_bytes_sent"] / s["mix1_bytes_sent"] < 2 * 1.46 / 1.0
         assert s["consensus_distance"] > 0
         assert 0 < s["utilisation"] <= 1
         parts = s["inner_seconds"] + s["mix2_seconds"] + s["mix1_wait_seconds"] + s["outer_seconds"]
@@ -173,6 +174,7 @@ def _new(**kwargs):
         ({"codec": "gzip"}, ValueError, r"codec='gzip' is not a known codec; use one of"),
         ({"mix1_codec": 3}, TypeError, r"mix1_codec must be None, a codec name or"),
         ({"seed": "x"}, TypeError, r"seed must be an int"),
+        ({"codec": (shared := BF16()), "mix1_codec": shared}, ValueError, r"must be different Codec instances"),
     ],
 )
 def test_bad_arguments_raise_naming_the_argument(kwargs, exc, match):

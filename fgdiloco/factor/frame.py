@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import threading
 import zlib
 from collections.abc import Iterable, Sequence
 
@@ -48,6 +49,17 @@ FLAG_SHUFFLE = 2
 ZSTD_LEVEL = 1  # PLATFORM.md: level 3 gains nothing on tensor bytes and is slower
 # Largest raw body we will ever allocate for: guards against a forged length field.
 MAX_BODY_BYTES = 1 << 36
+
+
+_TLS = threading.local()
+
+
+def _zstd() -> threading.local:
+    """This thread's zstd (de)compressor: building one costs 30-40 us, and they are not thread-safe."""
+    if not hasattr(_TLS, "compressor"):
+        _TLS.compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+        _TLS.decompressor = zstandard.ZstdDecompressor()
+    return _TLS
 
 
 class FrameError(ValueError):
@@ -115,7 +127,7 @@ def encode_frame(
         payload = _shuffle(payload, shuffle)
         flags |= FLAG_SHUFFLE
     if compress:
-        payload = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(payload)
+        payload = _zstd().compressor.compress(payload)
         flags |= FLAG_ZSTD
     head = _HEADER.pack(MAGIC, VERSION, codec.codec_id, flags, shuffle, sender, round, fingerprint,
                         len(body), len(payload))
@@ -228,6 +240,6 @@ def _decompress(payload: bytes, raw_len: int) -> bytes:
     try:
         # the output buffer is the (checked) content size; zstd stops with an error if the stream would exceed it,
         # and allow_extra_data=False rejects anything after the frame
-        return zstandard.ZstdDecompressor().decompress(payload, max_output_size=raw_len, allow_extra_data=False)
+        return _zstd().decompressor.decompress(payload, max_output_size=raw_len, allow_extra_data=False)
     except zstandard.ZstdError as e:
         raise FrameError(f"frame body does not decompress: {e}") from e

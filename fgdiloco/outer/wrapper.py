@@ -193,6 +193,9 @@ class FGDiLoCo:
         self.nesterov = bool(nesterov) and self.outer_momentum > 0
         self.codec = resolve_codec(codec, default="dense", argument="codec")
         self.mix1_codec = resolve_codec(mix1_codec, default="bf16", argument="mix1_codec")
+        if self.codec is self.mix1_codec:
+            raise ValueError("codec and mix1_codec must be different Codec instances: a codec keeps per-tensor "
+                             "state (error feedback, warm start) and the two mixes run in different threads")
 
         self.model = model
         self.inner_optimizer = inner_optimizer
