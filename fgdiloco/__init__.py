@@ -30,3 +30,13 @@ __all__ = [
     "layout_fingerprint",
     "make_topology",
 ]
+
+# Register Trainer(strategy="fgdiloco") with Lightning. Cheap: Lightning is not imported here; the names are registered
+# now if it already is, else right after it is (lightning_callbacks/_register.py). Must stay last: registering imports
+# lightning_callbacks.strategy, which imports fgdiloco.outer.
+try:
+    from lightning_callbacks._register import ensure_registered as _ensure_lightning_registered
+except ImportError:  # lightning_callbacks not installed with this copy of fgdiloco
+    pass
+else:
+    _ensure_lightning_registered()

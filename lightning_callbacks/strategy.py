@@ -1,0 +1,396 @@
+"""``FGDiLoCoStrategy``: Factored Gossip DiLoCo as a Lightning strategy (``Trainer(strategy="fgdiloco")``).
+
+One process per replica, as with DDP, but no ``DistributedDataParallel``: the replicas train on their own data
+shards without a per-step gradient all-reduce, and every ``sync_every`` optimizer steps the outer round of
+:class:`fgdiloco.FGDiLoCo` (gossip Mix1 / Mix2 and the local Nesterov outer step) brings them back together.
+
+Checkpoints
+-----------
+Replicas differ between (and, with gossip, after) outer rounds, so one file cannot hold the job. For a checkpoint
+written to ``PATH`` (``trainer.save_checkpoint(PATH)`` or ``ModelCheckpoint``; every rank takes part):
+
+* ``PATH`` (written by global rank 0, the usual Lightning checkpoint) holds rank 0's replica: ``state_dict``
+  (weights), ``optimizer_states`` (the inner optimizer), ``lr_schedulers``, loops, callbacks, hyper-parameters, plus
+  ``checkpoint["fgdiloco"] = {"format": 1, "world_size": M, "replicas": "<name>.replicas", "state": ...}``
+  where ``state`` is rank 0's :meth:`FGDiLoCo.state_dict` (outer momentum, round-start snapshot, round and step
+  counters, seed, topology, codec state incl. error feedback) without the inner optimizer state, which is
+  ``optimizer_states[0]``.
+* ``PATH.replicas/rank{r}.pt`` (written by rank ``r``, for every ``r >= 1``) holds that replica's own
+  ``state_dict``, ``optimizer_states``, precision-plugin state and ``fgdiloco`` state, plus ``rank`` and
+  ``world_size``.
+
+``trainer.fit(model, ckpt_path=PATH)`` on the same number of processes restores on every rank its own replica (rank
+0 from ``PATH``, rank ``r`` from its part) and continues the same trajectory: the initial broadcast of rank 0's
+weights is skipped. A different number of processes is refused with a ``ValueError``.
+``LightningModule.load_from_checkpoint(PATH)`` gives rank 0's replica. ``ModelCheckpoint`` removes the parts
+together with ``PATH``; with ``save_last="link"`` the ``last`` link points at ``PATH`` only, so resume from the
+linked file's own path.
+
+``trainer.validate/test/predict`` (outside ``fit``) use DDP's set-up, which copies rank 0's weights to every
+replica before evaluating; with ``ckpt_path`` they therefore evaluate rank 0's replica on every rank (the parts are
+not read). This also overwrites the in-memory replicas of a model that was just fitted. Validation *during* ``fit``
+evaluates each replica's own weights; a metric logged without ``sync_dist`` is rank 0's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import functools
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from packaging.version import Version
+from torch import nn
+
+from fgdiloco.gossip import LocalHub, Topology
+from fgdiloco.outer import FGDiLoCo
+
+__all__ = ["FGDiLoCoStrategy", "LightningFGDiLoCoStrategy", "replica_checkpoint_path", "CHECKPOINT_KEY",
+           "CHECKPOINT_FORMAT", "validate_fgdiloco_arguments"]
+
+log = logging.getLogger("fgdiloco")
+
+CHECKPOINT_KEY = "fgdiloco"
+CHECKPOINT_FORMAT = 1
+
+# Lightning >= 2.5.2 broadcasts a SIGTERM flag on the world group before every training batch
+# (``_TrainingEpochLoop._broadcast_sigterm_tensor``), which puts all replicas in lockstep (PLATFORM.md).
+_SIGTERM_BROADCAST_SINCE = Version("2.5.2")
+
+_START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+
+def replica_checkpoint_path(filepath: str | os.PathLike, rank: int) -> str:
+    """Where rank ``rank``'s (>= 1) part of the checkpoint ``filepath`` lives: ``<filepath>.replicas/rank{r}.pt``."""
+    return f"{os.fspath(filepath)}.replicas/rank{rank}.pt"
+
+
+def validate_fgdiloco_arguments(**knobs: Any) -> None:
+    """Raise the ``TypeError`` / ``ValueError`` that :class:`FGDiLoCo` raises for these keyword arguments.
+
+    It builds a throw-away ``FGDiLoCo`` on a one-parameter model with a one-worker in-process transport: no
+    communication, no process group needed, and exactly FGDiLoCo's own checks and messages. A
+    :class:`~fgdiloco.gossip.Topology` instance is checked against the real world size later, at set-up.
+    """
+    if isinstance(knobs.get("topology"), Topology):  # built for the real world size: checked in setup()
+        knobs = {**knobs, "topology": "allreduce"}
+    model = nn.Linear(1, 1)
+    probe = FGDiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), **knobs, broadcast_init=False,
+                     transport=LocalHub(1).transport(0))
+    probe.close()
+
+
+def _local_sigterm_check(trainer: Any, exception: type[BaseException] | None) -> None:
+    """Stand-in for the per-batch SIGTERM broadcast: act on this process's own signal, talk to no one."""
+    if exception is not None and getattr(trainer, "received_sigterm", False):
+        raise exception()
+
+
+class _FGDiLoCoStrategyMixin:
+    """The namespace-independent part of the strategy; :class:`FGDiLoCoStrategy` (``pytorch_lightning``) and
+    :class:`LightningFGDiLoCoStrategy` (``lightning.pytorch``) add the namespace's ``DDPStrategy``."""
+
+    strategy_name = "fgdiloco"
+    _namespace: Any = None  # the Lightning package module (pytorch_lightning or lightning.pytorch)
+
+    def __init__(
+        self,
+        *,
+        sync_every: int = 50,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        topology: str | Topology = "random",
+        mix1_rounds: int = 1,
+        mix2_rounds: int = 1,
+        codec: Any = None,
+        mix1_codec: Any = None,
+        timeout: float = 60.0,
+        seed: int = 0,
+        broadcast_init: bool = True,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+        process_group_backend: str | None = None,
+        process_group_timeout: datetime.timedelta | None = dist.default_pg_timeout,
+        start_method: str = "popen",
+    ) -> None:
+        if isinstance(timeout, datetime.timedelta):
+            raise TypeError("timeout is FGDiLoCo's per-exchange gossip timeout in seconds (a number); pass the "
+                            "process-group timeout of DDP as process_group_timeout=datetime.timedelta(...)")
+        if start_method not in _START_METHODS:
+            raise ValueError(f"start_method must be one of {_START_METHODS}, got {start_method!r}")
+        if not isinstance(broadcast_init, bool):
+            raise TypeError(f"broadcast_init must be a bool, got {type(broadcast_init).__name__}")
+        knobs = dict(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
+                     topology=topology, mix1_rounds=mix1_rounds, mix2_rounds=mix2_rounds, codec=codec,
+                     mix1_codec=mix1_codec, timeout=timeout, seed=seed)
+        validate_fgdiloco_arguments(**knobs)
+        super().__init__(  # type: ignore[call-arg]
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=process_group_timeout,
+            start_method=start_method,
+        )
+        self._fgdiloco_kwargs = knobs
+        self._broadcast_init = broadcast_init
+        self._fgdiloco: FGDiLoCo | None = None
+        self._resume_state: dict[str, Any] | None = None
+        self._patched_loop: Any = None
+
+    # ------------------------------------------------------------------ public
+    @property
+    def fgdiloco(self) -> FGDiLoCo | None:
+        """The :class:`~fgdiloco.FGDiLoCo` of this replica (built in ``setup`` of ``fit``; None before). After
+        ``fit`` it stays readable (``round``, ``last_round``, ``failed_exchanges_total``) but is closed."""
+        return self._fgdiloco
+
+    @property
+    def fgdiloco_kwargs(self) -> dict[str, Any]:
+        """The FGDiLoCo arguments this strategy passes on (a copy)."""
+        return dict(self._fgdiloco_kwargs)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``"fgdiloco"`` (popen launcher) and ``"fgdiloco_spawn"`` (``start_method="spawn"``)."""
+        for name, start_method in (("fgdiloco", "popen"), ("fgdiloco_spawn", "spawn")):
+            strategy_registry.register(
+                name,
+                cls,
+                description=f"Factored Gossip DiLoCo (one process per replica, gossip outer rounds) with "
+                            f"start_method '{start_method}'",
+                override=True,
+                start_method=start_method,
+            )
+
+    # ------------------------------------------------------------------ set-up and teardown
+    def configure_ddp(self) -> None:
+        """No ``DistributedDataParallel``: there is no per-step gradient all-reduce. Replicas start from rank 0's
+        weights through FGDiLoCo's ``broadcast_init`` when the wrapper is built (skipped when resuming replicas)."""
+        assert isinstance(self.model, self._namespace.LightningModule)
+
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)  # type: ignore[misc]
+        if trainer.state.fn == self._namespace.trainer.states.TrainerFn.FITTING:
+            self._close_fgdiloco()  # a previous fit's wrapper (already closed at its teardown)
+            self._fgdiloco = self._build_fgdiloco()
+            self._unlock_training_steps(trainer)
+
+    def _build_fgdiloco(self) -> FGDiLoCo:
+        optimizers = list(self.optimizers)  # type: ignore[attr-defined]
+        if len(optimizers) != 1:
+            raise ValueError(f"FGDiLoCoStrategy wraps exactly one inner optimizer over all trainable parameters; "
+                             f"configure_optimizers() gave {len(optimizers)}")
+        inner = getattr(optimizers[0], "_optimizer", optimizers[0])  # unwrap a LightningOptimizer
+        resuming = self._resume_state is not None
+        fgd = FGDiLoCo(self.lightning_module, inner, **self._fgdiloco_kwargs,  # type: ignore[attr-defined]
+                       broadcast_init=self._broadcast_init and not resuming)
+        log.info("fgdiloco: rank %d built %r%s", fgd.rank, fgd, " (resuming replicas)" if resuming else "")
+        return fgd
+
+    def _unlock_training_steps(self, trainer: Any) -> None:
+        """Replace Lightning's per-batch SIGTERM broadcast by a local check, so that a slow replica does not hold
+        the others back between outer rounds. Only for Lightning versions that have it (>= 2.5.2)."""
+        loop = trainer.fit_loop.epoch_loop
+        version = Version(self._namespace.__version__.split("+")[0])
+        if version < _SIGTERM_BROADCAST_SINCE or not callable(getattr(type(loop), "_broadcast_sigterm_tensor", None)):
+            return
+        exceptions = getattr(self._namespace.utilities, "exceptions", None)
+        exception = getattr(exceptions, "SIGTERMException", None)
+        loop._broadcast_sigterm_tensor = functools.partial(_local_sigterm_check, trainer, exception)
+        self._patched_loop = loop
+
+    def _close_fgdiloco(self) -> None:
+        if self._fgdiloco is not None:
+            self._fgdiloco.close()
+
+    def teardown(self) -> None:
+        if self._patched_loop is not None:
+            with contextlib.suppress(AttributeError):
+                del self._patched_loop._broadcast_sigterm_tensor
+            self._patched_loop = None
+        self._close_fgdiloco()
+        self._resume_state = None
+        super().teardown()  # type: ignore[misc]
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Rank 0 writes ``filepath`` (its replica + metadata), every other rank its part (module docstring)."""
+        fgd = self._fgdiloco
+        if fgd is not None:
+            full = "optimizer_states" in checkpoint  # False for weights-only checkpoints
+            state = None
+            if full:
+                state = fgd.state_dict()
+                state.pop("inner")  # it is optimizer_states[0]
+            checkpoint[CHECKPOINT_KEY] = {
+                "format": CHECKPOINT_FORMAT,
+                "world_size": self.world_size,  # type: ignore[attr-defined]
+                "replicas": os.path.basename(os.fspath(filepath)) + ".replicas",
+                "state": state,
+            }
+            if self.global_rank != 0:  # type: ignore[attr-defined]
+                part = {
+                    "format": CHECKPOINT_FORMAT,
+                    "rank": self.global_rank,  # type: ignore[attr-defined]
+                    "world_size": self.world_size,  # type: ignore[attr-defined]
+                    "global_step": checkpoint.get("global_step"),
+                    "state_dict": checkpoint["state_dict"],
+                    CHECKPOINT_KEY: state,
+                }
+                for key, value in checkpoint.items():
+                    if key == "optimizer_states" or key.endswith("Precision") or key.endswith("PrecisionPlugin"):
+                        part[key] = value
+                self.checkpoint_io.save_checkpoint(  # type: ignore[attr-defined]
+                    part, replica_checkpoint_path(filepath, self.global_rank),  # type: ignore[attr-defined]
+                    storage_options=storage_options)
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[misc]
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        super().remove_checkpoint(filepath)  # type: ignore[misc]
+        if self.global_rank != 0:  # type: ignore[attr-defined]
+            part = replica_checkpoint_path(filepath, self.global_rank)  # type: ignore[attr-defined]
+            with contextlib.suppress(FileNotFoundError):
+                self.checkpoint_io.remove_checkpoint(part)  # type: ignore[attr-defined]
+        with contextlib.suppress(OSError):  # the last rank to remove its part removes the folder
+            os.rmdir(os.path.dirname(replica_checkpoint_path(filepath, 1)))
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Read ``checkpoint_path``; when fitting, swap in this rank's own replica from its part (rank >= 1) and keep
+        the FGDiLoCo state for :meth:`load_optimizer_state_dict`."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
+        self._resume_state = None
+        meta = checkpoint.get(CHECKPOINT_KEY)
+        trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
+        fitting = trainer is not None and trainer.state.fn == self._namespace.trainer.states.TrainerFn.FITTING
+        if not isinstance(meta, dict) or not fitting:
+            return checkpoint
+        world, rank = self.world_size, self.global_rank  # type: ignore[attr-defined]
+        if meta.get("world_size") != world:
+            raise ValueError(
+                f"{checkpoint_path} holds {meta.get('world_size')} FGDiLoCo replicas, this run has {world} "
+                "processes; resume with the same number, or start a new run from rank 0's replica with "
+                "LightningModule.load_from_checkpoint(...)")
+        if rank == 0:
+            state = meta.get("state")
+        else:
+            part_path = replica_checkpoint_path(checkpoint_path, rank)
+            try:
+                part = self.checkpoint_io.load_checkpoint(part_path, weights_only=weights_only)  # type: ignore
+            except FileNotFoundError as e:
+                raise FileNotFoundError(f"rank {rank}'s part of {checkpoint_path} is missing: {part_path}") from e
+            if part.get("rank") != rank or part.get("world_size") != world:
+                raise ValueError(f"{part_path} belongs to rank {part.get('rank')} of {part.get('world_size')}, "
+                                 f"not rank {rank} of {world}")
+            for key, value in part.items():
+                if key not in ("format", "rank", "world_size", "global_step", CHECKPOINT_KEY):
+                    checkpoint[key] = value
+            state = part.get(CHECKPOINT_KEY)
+        self._resume_state = state
+        return checkpoint
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        super().load_optimizer_state_dict(checkpoint)  # type: ignore[misc]
+        if self._resume_state is not None and self._fgdiloco is not None:
+            state = dict(self._resume_state)
+            state["inner"] = checkpoint["optimizer_states"][0]
+            self._fgdiloco.load_state_dict(state)
+        self._resume_state = None
+
+
+# ---------------------------------------------------------------------- one concrete class per Lightning namespace
+try:
+    import pytorch_lightning as _pl
+    from pytorch_lightning.strategies import DDPStrategy as _PLDDPStrategy
+except ImportError:  # pragma: no cover - pytorch-lightning is a dependency
+    _pl = None
+
+try:
+    import lightning.pytorch as _lpt
+    from lightning.pytorch.strategies import DDPStrategy as _LDDPStrategy
+except ImportError:
+    _lpt = None
+
+
+if _pl is not None:
+
+    class FGDiLoCoStrategy(_FGDiLoCoStrategyMixin, _PLDDPStrategy):
+        """Factored Gossip DiLoCo for ``pytorch_lightning``: ``Trainer(strategy="fgdiloco")``.
+
+        One process per replica (DDP's launchers, process-group set-up and ``DistributedSampler``), but no
+        ``DistributedDataParallel``: the optimizer from ``configure_optimizers()`` is the inner optimizer and
+        runs on each replica alone; every ``sync_every`` real optimizer steps (gradient accumulation and manual
+        optimisation included; a step skipped by a ``GradScaler`` does not count) the outer round of
+        :class:`fgdiloco.FGDiLoCo` runs. LR schedulers keep stepping the inner optimizer.
+
+        Between rounds the replicas do not wait for each other: Lightning's per-batch SIGTERM broadcast
+        (Lightning >= 2.5.2) is replaced by a local check while fitting. Keep it that way in your own code: do not
+        log with ``sync_dist=True`` in ``training_step`` (it adds a collective per step), and note that
+        validation, ``EarlyStopping`` and checkpointing synchronise all ranks when they run.
+
+        :attr:`fgdiloco` is this replica's wrapper (``last_round``: the diagnostics of the last round, see
+        :class:`lightning_callbacks.GossipMonitor`). Checkpoints hold every replica's state: see the module
+        docstring of :mod:`lightning_callbacks.strategy` for the file layout.
+
+        Example::
+
+            trainer = Trainer(strategy="fgdiloco", accelerator="cpu", devices=4)
+            trainer = Trainer(strategy=FGDiLoCoStrategy(sync_every=100, topology="exponential"), devices=8)
+
+        Args:
+            sync_every, outer_lr, outer_momentum, nesterov, topology, mix1_rounds, mix2_rounds, codec, mix1_codec,
+                timeout, seed, broadcast_init: as in :class:`fgdiloco.FGDiLoCo` (same defaults, except
+                ``sync_every=50``); ``timeout`` is the gossip exchange timeout in seconds. All ranks of the job
+                gossip (the default process group).
+            accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
+                process_group_backend, start_method: as in ``DDPStrategy`` (normally filled in by the Trainer).
+            process_group_timeout: DDP's ``timeout`` of the default process group (a ``timedelta``).
+
+        Raises:
+            TypeError, ValueError: a wrong argument, when the strategy (or ``Trainer``) is built, with FGDiLoCo's
+                message.
+        """
+
+        _namespace = _pl
+
+    def _register_pytorch_lightning() -> None:
+        from pytorch_lightning.strategies import StrategyRegistry
+
+        FGDiLoCoStrategy.register_strategies(StrategyRegistry)
+
+
+if _lpt is not None:
+
+    class LightningFGDiLoCoStrategy(_FGDiLoCoStrategyMixin, _LDDPStrategy):
+        """:class:`FGDiLoCoStrategy` for the unified ``lightning`` package (``lightning.pytorch``)."""
+
+        _namespace = _lpt
+
+    def _register_lightning() -> None:
+        from lightning.pytorch.strategies import StrategyRegistry
+
+        LightningFGDiLoCoStrategy.register_strategies(StrategyRegistry)
+
+    if _pl is None:  # pragma: no cover
+        FGDiLoCoStrategy = LightningFGDiLoCoStrategy
+
+
+def _registration_hook() -> None:
+    import sys
+
+    from ._register import strategy_loaded
+
+    strategy_loaded(sys.modules[__name__])
+
+
+_registration_hook()  # keep last: registers the classes defined above

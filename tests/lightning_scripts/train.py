@@ -1,0 +1,195 @@
+"""A small Lightning run with ``strategy="fgdiloco"`` that the tests start as a subprocess.
+
+``python tests/lightning_scripts/train.py --out DIR [options]``: Lightning's popen launcher re-executes this command
+line for every other rank, so it must not run under pytest. Every rank writes ``DIR/rank{r}.pt`` with what it saw:
+the flat parameters after each outer round and at the end, step times, learning rates, the GossipMonitor's history.
+
+The model, data and inner optimizer are defined here (``make_model``, ``make_dataset``, ``make_inner_optimizer``)
+so that the tests' plain-wrapper reference uses exactly the same ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import warnings
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+IN, HIDDEN = 8, 16
+INNER_LR = 1e-2
+
+
+def make_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, 1))
+
+
+def make_dataset(n: int, seed: int = 1234) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, IN, generator=g)
+    y = torch.sin(x.sum(1, keepdim=True)) + 0.1 * torch.randn(n, 1, generator=g)
+    return TensorDataset(x, y)
+
+
+def make_inner_optimizer(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=INNER_LR)
+
+
+def flat_params(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).clone() for p in module.parameters()])
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--strategy-string", action="store_true", help="strategy='fgdiloco' with its defaults")
+    p.add_argument("--sync-every", type=int, default=4)
+    p.add_argument("--topology", default="random")
+    p.add_argument("--mix2-rounds", type=int, default=1)
+    p.add_argument("--outer-lr", type=float, default=0.7)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--samples", type=int, default=96)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-epochs", type=int, default=1)
+    p.add_argument("--max-steps", type=int, default=-1)
+    p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--manual", action="store_true")
+    p.add_argument("--scheduler", action="store_true", help="StepLR(step_size=1, gamma=0.9) every step")
+    p.add_argument("--slow-rank", type=int, default=-1)
+    p.add_argument("--slow-ms", type=float, default=50.0)
+    p.add_argument("--csv", default=None, help="CSVLogger directory")
+    p.add_argument("--ckpt-dir", default=None, help="ModelCheckpoint at every epoch end (save_top_k=1)")
+    p.add_argument("--resume", default=None, help="ckpt_path for trainer.fit")
+    p.add_argument("--growth-patience", type=int, default=5)
+    args = p.parse_args(argv)
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+
+    import pytorch_lightning as pl
+    from pytorch_lightning.callbacks import ModelCheckpoint
+    from pytorch_lightning.loggers import CSVLogger
+
+    import fgdiloco  # noqa: F401 - registers "fgdiloco"
+    from lightning_callbacks import FGDiLoCoStrategy, GossipMonitor
+
+    class Regressor(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = make_model(args.seed)
+            self.automatic_optimization = not args.manual
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
+
+        def training_step(self, batch, batch_idx):
+            if self.global_rank == args.slow_rank:
+                time.sleep(args.slow_ms / 1000)  # a simulated slow machine
+            x, y = batch
+            loss = ((self(x) - y) ** 2).mean()
+            self.log("train_loss", loss, prog_bar=True)  # rank-local: no sync_dist
+            if args.manual:
+                opt = self.optimizers()
+                opt.zero_grad()
+                self.manual_backward(loss)
+                opt.step()
+                sch = self.lr_schedulers()
+                if sch is not None:
+                    sch.step()
+                return None
+            return loss
+
+        def configure_optimizers(self):
+            opt = make_inner_optimizer(self.parameters())
+            if not args.scheduler:
+                return opt
+            sch = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sch, "interval": "step"}}
+
+        def train_dataloader(self):
+            # Lightning replaces the sampler by DistributedSampler(shuffle=True, seed=0) and sets its epoch
+            return DataLoader(make_dataset(args.samples), batch_size=args.batch_size)
+
+    class Recorder(pl.Callback):
+        def __init__(self) -> None:
+            self.round_params: list[torch.Tensor] = []
+            self.step_times: list[tuple[float, bool]] = []
+            self.lrs: list[float] = []
+            self._last_end: float | None = None
+            self._round = 0
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            now = time.perf_counter()
+            fgd = trainer.strategy.fgdiloco
+            synced = fgd.round != self._round
+            if self._last_end is not None:
+                self.step_times.append((now - self._last_end, synced))
+            if synced:
+                self._round = fgd.round
+                self.round_params.append(flat_params(pl_module))
+            self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+            self._last_end = time.perf_counter()
+
+        def on_train_start(self, trainer, pl_module):
+            self._round = trainer.strategy.fgdiloco.round
+
+    if args.strategy_string:
+        strategy = "fgdiloco"
+    else:
+        strategy = FGDiLoCoStrategy(sync_every=args.sync_every, topology=args.topology, outer_lr=args.outer_lr,
+                                    mix2_rounds=args.mix2_rounds, seed=args.seed, timeout=30.0)
+    recorder = Recorder()
+    monitor = GossipMonitor(growth_patience=args.growth_patience)
+    callbacks = [recorder, monitor]
+    if args.ckpt_dir:
+        callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, filename="{epoch}", save_top_k=1,
+                                         every_n_epochs=1, save_last=False))
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=args.devices,
+        max_epochs=args.max_epochs,
+        max_steps=args.max_steps,
+        accumulate_grad_batches=args.accumulate,
+        logger=CSVLogger(args.csv, name="run") if args.csv else False,
+        callbacks=callbacks,
+        enable_checkpointing=bool(args.ckpt_dir),
+        enable_model_summary=False,
+        enable_progress_bar=False,
+        log_every_n_steps=1,
+        num_sanity_val_steps=0,
+    )
+    model = Regressor()
+    trainer.fit(model, ckpt_path=args.resume)
+
+    fgd = trainer.strategy.fgdiloco
+    out = {
+        "rank": trainer.global_rank,
+        "world_size": trainer.world_size,
+        "strategy": type(trainer.strategy).__name__,
+        "fgdiloco_kwargs": trainer.strategy.fgdiloco_kwargs,
+        "rounds": fgd.round,
+        "inner_steps_in_round": fgd._steps_in_round,
+        "global_step": trainer.global_step,
+        "round_params": recorder.round_params,
+        "final_params": flat_params(model),
+        "step_times": recorder.step_times,
+        "lrs": recorder.lrs,
+        "history": monitor.history,
+        "progress_bar": {k: float(v) for k, v in trainer.progress_bar_metrics.items()},
+        "failed_exchanges_total": fgd.failed_exchanges_total,
+    }
+    os.makedirs(args.out, exist_ok=True)
+    torch.save(out, os.path.join(args.out, f"rank{trainer.global_rank}.pt"))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    main()

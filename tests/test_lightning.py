@@ -1,0 +1,274 @@
+"""Lightning: ``Trainer(strategy="fgdiloco")``, per-replica checkpoints, ``GossipMonitor``.
+
+Multi-process runs start ``tests/lightning_scripts/train.py`` as a subprocess on a fresh port (Lightning's popen
+launcher re-executes the command line, which must not be pytest's); each rank saves what it saw to ``rank{r}.pt``.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import inspect
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from fgdiloco import FGDiLoCo, RoundStats
+from lightning_callbacks import FGDiLoCoStrategy, GossipMonitor
+from lightning_callbacks.monitor import ConsensusGrowthTracker, ConsensusGrowthWarning
+from lightning_callbacks.strategy import replica_checkpoint_path
+from tests.distributed import run_ranks
+from tests.lightning_scripts.train import flat_params, make_dataset, make_inner_optimizer, make_model
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "tests" / "lightning_scripts" / "train.py"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(out: Path, *args: str, devices: int, timeout: float = 150.0) -> list[dict]:
+    """Run the script on ``devices`` CPU processes; return every rank's record."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "PL_GLOBAL_SEED")}
+    env.update(MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, str(SCRIPT), "--out", str(out), "--devices", str(devices), *args]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher's children are in the same new session
+        log, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} timed out after {timeout} s:\n{log[-6000:]}")
+    (out.parent / f"{out.name}.log").write_text(log)
+    if proc.returncode != 0:
+        lines = [line for line in log.splitlines() if not line.lstrip().startswith("frame #")]
+        pytest.fail(f"{' '.join(cmd)} failed ({proc.returncode}):\n" + "\n".join(lines[:60] + ["..."] + lines[-60:]))
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(devices)]
+
+
+# ---------------------------------------------------------------------------------------------------- in-process
+def test_registered_names_need_no_other_argument():
+    from pytorch_lightning.strategies import StrategyRegistry
+
+    assert {"fgdiloco", "fgdiloco_spawn"} <= set(StrategyRegistry)
+    trainer = pl.Trainer(strategy="fgdiloco", logger=False, enable_checkpointing=False)
+    assert type(trainer.strategy) is FGDiLoCoStrategy
+    assert trainer.strategy._start_method == "popen"
+    trainer = pl.Trainer(strategy="FGDiLoCo_Spawn", accelerator="cpu", devices=2, logger=False)
+    assert type(trainer.strategy) is FGDiLoCoStrategy and trainer.strategy._start_method == "spawn"
+    assert trainer.strategy.fgdiloco is None  # built in setup() of fit
+
+
+def test_strategy_defaults_are_fgdiloco_defaults():
+    wrapper = inspect.signature(FGDiLoCo).parameters
+    strategy = FGDiLoCoStrategy().fgdiloco_kwargs
+    assert strategy.pop("sync_every") == 50
+    for name, value in strategy.items():
+        assert wrapper[name].default == value, name
+
+
+def test_import_fgdiloco_registers_lazily_and_survives_without_lightning():
+    code = (
+        "import sys\n"
+        "import fgdiloco\n"
+        "assert 'pytorch_lightning' not in sys.modules, 'import fgdiloco must not import Lightning'\n"
+        "import pytorch_lightning as pl\n"
+        "from pytorch_lightning.strategies import StrategyRegistry\n"
+        "assert {'fgdiloco', 'fgdiloco_spawn'} <= set(StrategyRegistry)\n"
+        "assert type(pl.Trainer(strategy='fgdiloco', logger=False).strategy).__name__ == 'FGDiLoCoStrategy'\n"
+        "import subprocess\n"
+        "blocked = ('import sys; sys.modules[\"pytorch_lightning\"] = None; sys.modules[\"lightning\"] = None\\n'\n"
+        "           'import fgdiloco, lightning_callbacks; print(\"ok\", fgdiloco.FGDiLoCo.__name__)')\n"
+        "r = subprocess.run([sys.executable, '-c', blocked], capture_output=True, text=True)\n"
+        "assert r.returncode == 0 and 'ok FGDiLoCo' in r.stdout, r.stderr\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (dict(sync_every=0), ValueError, "sync_every"),
+        (dict(sync_every=2.5), TypeError, "sync_every"),
+        (dict(topology="bogus"), ValueError, "topology"),
+        (dict(outer_lr=-0.1), ValueError, "outer_lr"),
+        (dict(outer_momentum=1.0), ValueError, "outer_momentum"),
+        (dict(mix2_rounds=-1), ValueError, "mix2_rounds"),
+        (dict(codec="nope"), ValueError, "codec"),
+        (dict(timeout=0), ValueError, "timeout"),
+        (dict(timeout=datetime.timedelta(seconds=5)), TypeError, "process_group_timeout"),
+        (dict(seed="0"), TypeError, "seed"),
+        (dict(start_method="thread"), ValueError, "start_method"),
+        (dict(find_unused_parameters=True), TypeError, "find_unused_parameters"),
+    ],
+)
+def test_wrong_strategy_arguments_fail_when_built(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        pl.Trainer(strategy=FGDiLoCoStrategy(**kwargs), accelerator="cpu", devices=2, logger=False)
+
+
+def _stats(round_: int, distance: float | None) -> RoundStats:
+    return RoundStats(round=round_, inner_steps=4, round_seconds=1.0, inner_seconds=0.9, mix2_seconds=0.05,
+                      mix1_wait_seconds=0.0, mix1_seconds=0.3, outer_seconds=0.05, utilisation=0.9,
+                      mix1_bytes_sent=100, mix1_bytes_received=100, mix2_bytes_sent=50, mix2_bytes_received=50,
+                      consensus_distance=distance, failed_exchanges=0)
+
+
+def test_consensus_growth_warns_once_after_patience():
+    monitor = GossipMonitor(growth_patience=3)
+    distances = [1.0, 0.9, 1.1, 1.2, None, 1.3, 1.4, 1.5, 1.6]  # 3 rises 0.9 -> 1.3 (None is ignored)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fired = [monitor.observe(_stats(i, d), rank=2) for i, d in enumerate(distances)]
+    assert fired == [False, False, False, False, False, True, False, False, False]
+    growth = [w for w in caught if issubclass(w.category, ConsensusGrowthWarning)]
+    assert len(growth) == 1 and "rank 2" in str(growth[0].message) and "3 consecutive" in str(growth[0].message)
+
+
+def test_consensus_growth_tracker_resets_on_a_drop():
+    tracker = ConsensusGrowthTracker(patience=2)
+    assert [tracker.update(d) for d in [1.0, 2.0, 1.5, 1.6, 1.4, 1.5, 1.7]] == [False] * 6 + [True]
+    assert tracker.update(float("nan")) is False  # fired already: once only
+    with pytest.raises(ValueError, match="patience"):
+        ConsensusGrowthTracker(patience=0)
+
+
+def test_monitor_metric_names():
+    monitor = GossipMonitor()
+    names = set(monitor.metrics(_stats(0, 0.5), failed_total=3))
+    for key in ("utilisation", "bytes_sent", "bytes_received", "mix1_bytes_sent", "mix2_bytes_received",
+                "mix1_wait_seconds", "mix2_seconds", "consensus_distance", "failed_exchanges",
+                "failed_exchanges_total", "round"):
+        assert f"gossip/{key}" in names
+    assert "gossip/consensus_distance" not in monitor.metrics(_stats(1, None))
+    with pytest.raises(ValueError, match="prog_bar"):
+        GossipMonitor(prog_bar={"no_such_field": "x"})
+
+
+# ---------------------------------------------------------------------------------------------------- multi-process
+def _plain_wrapper(rank: int, world: int, samples: int, batch_size: int, epochs: int, sync_every: int, seed: int):
+    """The same training as train.py, written as a plain loop around FGDiLoCo. Data order: Lightning injects
+    ``DistributedSampler(shuffle=True, seed=0)`` into a distributed training loader and sets its epoch."""
+    model = make_model(seed)
+    opt = FGDiLoCo(model, make_inner_optimizer(model.parameters()), sync_every=sync_every, topology="allreduce",
+                   outer_lr=0.7, seed=seed, timeout=30.0)
+    data = make_dataset(samples)
+    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
+    rounds = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for x, y in DataLoader(data, batch_size=batch_size, sampler=sampler):
+            opt.zero_grad()
+            ((model(x) - y) ** 2).mean().backward()
+            before = opt.round
+            opt.step()
+            if opt.round != before:
+                rounds.append(flat_params(model))
+    opt.close()
+    return rounds, flat_params(model)
+
+
+def test_allreduce_replicas_agree_every_round_and_equal_the_plain_wrapper(tmp_path):
+    # 80 samples / (2 ranks x 8) = 5 steps per epoch; 3 epochs = 15 steps = 3 rounds of 4 + 3 steps of a 4th round
+    args = ("--topology", "allreduce", "--sync-every", "4", "--samples", "80", "--max-epochs", "3")
+    ranks = _launch(tmp_path / "out", *args, devices=2)
+    reference = run_ranks(_plain_wrapper, 2, tmp_path, 80, 8, 3, 4, 0)
+    for rank in ranks:
+        assert rank["rounds"] == 3 and rank["global_step"] == 15 and rank["failed_exchanges_total"] == 0
+    for k in range(3):  # identical after every round ...
+        torch.testing.assert_close(ranks[0]["round_params"][k], ranks[1]["round_params"][k], rtol=0, atol=0)
+        for r in range(2):  # ... and equal to the plain wrapper's
+            torch.testing.assert_close(ranks[r]["round_params"][k], reference[r][0][k], rtol=1e-5, atol=1e-6)
+    # between rounds (3 inner steps into round 4) each replica has moved on its own shard
+    assert not torch.allclose(ranks[0]["final_params"], ranks[1]["final_params"])
+    for r in range(2):
+        torch.testing.assert_close(ranks[r]["final_params"], reference[r][1], rtol=1e-5, atol=1e-6)
+
+
+def test_slow_replica_does_not_slow_the_others_between_rounds(tmp_path):
+    args = ("--sync-every", "10", "--samples", "480", "--slow-rank", "1", "--slow-ms", "50")  # 30 steps
+    ranks = _launch(tmp_path / "out", *args, devices=2)
+    inner = [[t for t, synced in rank["step_times"] if not synced] for rank in ranks]
+    fast, slow = statistics.median(inner[0]), statistics.median(inner[1])
+    assert slow >= 0.05
+    assert fast < 0.025, f"fast rank's median step took {fast * 1000:.1f} ms: it waited for the slow rank"
+    # the wait happens once per round, in the blocking Mix2 of the fast rank
+    waits = [t for t, synced in ranks[0]["step_times"] if synced]
+    assert waits and min(waits) > 0.2
+    assert ranks[0]["rounds"] == ranks[1]["rounds"] == 3
+
+
+@pytest.mark.parametrize("mode", ["accumulate", "manual"])
+def test_rounds_count_optimizer_steps_and_scheduler_steps(tmp_path, mode):
+    # 192 samples / (2 ranks x 8) = 12 batches per rank
+    extra = ("--accumulate", "2") if mode == "accumulate" else ("--manual",)
+    ranks = _launch(tmp_path / "out", "--sync-every", "3", "--samples", "192", "--scheduler", *extra, devices=2)
+    steps = 6 if mode == "accumulate" else 12
+    for rank in ranks:
+        assert rank["global_step"] == steps
+        assert rank["rounds"] == steps // 3
+        assert rank["lrs"][-1] == pytest.approx(1e-2 * 0.9**steps)  # StepLR stepped every optimizer step
+
+
+def _read_csv(path: Path) -> list[dict[str, str]]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def test_four_replicas_default_strategy_resume_and_monitor(tmp_path):
+    """4 processes with ``strategy="fgdiloco"`` (defaults: H=50, random gossip). 2400 samples / (4 x 8) = 75 steps
+    per epoch, so the epoch-end checkpoint falls 25 steps into round 1. The resumed run must give the same
+    parameters as an uninterrupted one on every rank after the next round and at the end."""
+    common = ("--strategy-string", "--samples", "2400")
+    full = _launch(tmp_path / "full", *common, "--max-epochs", "2", "--csv", str(tmp_path / "csv"),
+                   "--ckpt-dir", str(tmp_path / "ckpt_full"), devices=4)
+    first = _launch(tmp_path / "first", *common, "--max-epochs", "1", "--ckpt-dir", str(tmp_path / "ckpt"),
+                    devices=4)
+    ckpt = tmp_path / "ckpt" / "epoch=0.ckpt"
+    assert ckpt.is_file() and all(Path(replica_checkpoint_path(ckpt, r)).is_file() for r in (1, 2, 3))
+    resumed = _launch(tmp_path / "resumed", *common, "--max-epochs", "2", "--resume", str(ckpt), devices=4)
+
+    # the uninterrupted run: 150 steps = 3 rounds; gossip replicas differ; the monitor logged every round
+    for rank in full:
+        assert rank["strategy"] == "FGDiLoCoStrategy" and rank["fgdiloco_kwargs"]["sync_every"] == 50
+        assert rank["rounds"] == 3 and rank["global_step"] == 150 and rank["failed_exchanges_total"] == 0
+        assert len(rank["history"]) == 3 and {"util", "cdist"} <= set(rank["progress_bar"])
+    assert not torch.allclose(full[0]["round_params"][2], full[1]["round_params"][2])
+    rows = [row for row in _read_csv(tmp_path / "csv" / "run" / "version_0" / "metrics.csv")
+            if row.get("gossip/round")]
+    assert [float(row["gossip/round"]) for row in rows] == [0.0, 1.0, 2.0]
+    assert [int(row["step"]) for row in rows] == [50, 100, 150]
+    for key in ("utilisation", "bytes_sent", "bytes_received", "mix1_wait_seconds", "mix2_seconds",
+                "consensus_distance", "failed_exchanges"):
+        assert all(row[f"gossip/{key}"] != "" for row in rows), key
+    assert all(0 < float(row["gossip/utilisation"]) <= 1 and float(row["gossip/bytes_sent"]) > 0 for row in rows)
+    # ModelCheckpoint(save_top_k=1) replaced epoch=0 by epoch=1, replica parts included
+    assert not (tmp_path / "ckpt_full" / "epoch=0.ckpt.replicas").exists()
+    assert Path(replica_checkpoint_path(tmp_path / "ckpt_full" / "epoch=1.ckpt", 3)).is_file()
+
+    # resume: same trajectory on every rank
+    for r in range(4):
+        assert first[r]["rounds"] == 1 and resumed[r]["rounds"] == 3 and resumed[r]["global_step"] == 150
+        assert len(resumed[r]["round_params"]) == 2  # rounds 1 and 2 ended after the resume
+        for k in (0, 1):
+            torch.testing.assert_close(resumed[r]["round_params"][k], full[r]["round_params"][k + 1],
+                                       rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(resumed[r]["final_params"], full[r]["final_params"], rtol=1e-6, atol=1e-7)
