@@ -237,3 +237,31 @@ def test_load_state_dict_rejects_foreign_states():
     other = FGDiLoCo(big, torch.optim.AdamW(big.parameters()), sync_every=2)
     with pytest.raises(ValueError, match="another model layout"):
         other.load_state_dict(state)
+
+
+def test_consensus_distance_is_zero_for_identical_replicas_and_positive_otherwise():
+    """Mix1 sends bf16: comparing one's own fp32 values with the peer's bf16 ones would report ‖θ − bf16(θ)‖
+    for identical replicas. Both sides are compared as transmitted."""
+    dists: dict[tuple[bool, int], float] = {}
+
+    def run(same: bool) -> None:
+        hub = LocalHub(2)
+
+        def worker(rank: int) -> None:
+            model = make_model(seed=0 if same else rank)
+            opt = FGDiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.0), sync_every=1,
+                           transport=hub.transport(rank), timeout=30.0)
+            loss_of(model, rank, 0).backward()
+            opt.step()
+            dists[(same, rank)] = opt.last_round.consensus_distance
+
+        threads = [threading.Thread(target=worker, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+
+    run(same=True)
+    run(same=False)
+    assert dists[(True, 0)] == 0.0 and dists[(True, 1)] == 0.0
+    assert dists[(False, 0)] == dists[(False, 1)] > 0.1

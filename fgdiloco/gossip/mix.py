@@ -45,8 +45,8 @@ class MixResult:
         exchanges: gossip rounds in which this worker had a peer (or took part in an all-reduce).
         failed: exchanges that failed, timed out, were rejected or skipped (peer in back-off).
         peers: this worker's peer in each gossip round (None: no peer; -1: all-reduce).
-        consensus_distance: ``‖x_i − x_peer‖₂`` over all tensors, from the first successful exchange (as decoded;
-            the peer's value before mixing), or None when there was none.
+        consensus_distance: ``‖q(x_i) − q(x_peer)‖₂`` over all tensors (both as the codec transmits them, so equal
+            replicas give exactly 0), from the first successful exchange, or None when there was none.
         seconds: wall time of the mix.
         errors: one line per failure.
     """
@@ -185,7 +185,7 @@ class Mixer:
             return
         self.health.success(peer)
         if res.consensus_distance is None:
-            res.consensus_distance = _l2(res.values, peer_q)
+            res.consensus_distance = _l2(own_q, peer_q)  # both as sent: 0 for equal replicas
         if stateful:
             res.values = [0.5 * (a + b) for a, b in zip(own_q, peer_q)]
         else:
