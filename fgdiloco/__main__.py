@@ -1,0 +1,8 @@
+"""``python -m fgdiloco``: the same as the ``fgdiloco`` console command."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
