@@ -144,7 +144,7 @@ def test_closure_is_passed_through_and_returns_the_loss():
         loss.backward()
         return loss
 
-    assert float(opt.step(closure)) > 0
+    assert float(opt.step(closure).detach()) > 0
     assert opt.step(closure) is not None and opt.round == 1
 
 
