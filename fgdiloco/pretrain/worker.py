@@ -52,7 +52,7 @@ __all__ = ["CODECS", "TOPOLOGIES", "TrainConfig", "launch", "train_worker"]
 
 CODECS = ("dense", "bf16", "int8", "lowrank")
 TOPOLOGIES = ("random", "exponential", "ring", "allreduce")
-BASELINES = (None, "ddp")
+BASELINES = (None, "ddp", "localsgd")
 
 
 @dataclass
@@ -101,6 +101,10 @@ class TrainConfig:
     eval_every: int = 1
     eval_batches: int = 4
     quiet: bool = False
+    # benchmarks (benchmarks/wan.py): stop after the round in which training time passes max_seconds (all ranks
+    # stop together); record the byte counters of the interface named by $GLOO_SOCKET_IFNAME in metrics.jsonl
+    max_seconds: float | None = None
+    net_counters: bool = False
 
     def validate(self) -> TrainConfig:
         """Check every field; returns ``self``.
@@ -143,7 +147,9 @@ class TrainConfig:
             raise ValueError(f"codec must be one of {', '.join(CODECS)}; got {self.codec!r}")
         make_codec(self)  # raises a clear error for a codec this build does not have
         if self.baseline not in BASELINES:
-            raise ValueError(f"baseline must be None or 'ddp', got {self.baseline!r}")
+            raise ValueError(f"baseline must be None, 'ddp' or 'localsgd', got {self.baseline!r}")
+        if self.max_seconds is not None:
+            number("max_seconds", 0.0)
         if self.tokenizer not in ("bpe", "bytes"):
             raise ValueError(f"tokenizer must be 'bpe' or 'bytes', got {self.tokenizer!r}")
         if self.tokenizer == "bpe":
@@ -301,6 +307,16 @@ def _progress_line(cfg: TrainConfig, row: dict[str, Any]) -> str:
     return "[fgdiloco] " + "  ".join(parts)
 
 
+def _net_bytes() -> tuple[float, float]:
+    """(tx, rx) byte counters of the interface named by ``GLOO_SOCKET_IFNAME`` (0, 0 when unset or unreadable)."""
+    name = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
+    try:
+        base = Path("/sys/class/net") / name / "statistics"
+        return (float((base / "tx_bytes").read_text()), float((base / "rx_bytes").read_text()))
+    except (OSError, ValueError):
+        return (0.0, 0.0)
+
+
 def _all_sum(values: list[float], world: int) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     if world > 1:
@@ -381,8 +397,12 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     batch_gen = torch.Generator().manual_seed(cfg.seed * 100_003 + rank + 1)
 
     ddp = cfg.baseline == "ddp"
+    localsgd = cfg.baseline == "localsgd"
+    baseline = ddp or localsgd
     opt = None
+    averager = None
     grad_bytes = [0]
+    bucket_ready = [0.0]  # DDP: when the last gradient bucket was handed to the all-reduce
     if ddp:
         train_model: torch.nn.Module = model
         if world > 1:
@@ -394,10 +414,23 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
             def counting_allreduce(state, bucket):  # no annotations: DDP checks them (strings under __future__)
                 buf = bucket.buffer()
                 grad_bytes[0] += buf.numel() * buf.element_size()
+                bucket_ready[0] = time.perf_counter()
                 return default_hooks.allreduce_hook(None, bucket)
 
             train_model.register_comm_hook(None, counting_allreduce)
         step_opt: Any = inner
+    elif localsgd:
+        # local SGD with PyTorch's own periodic parameter averaging; warmup_steps = H - 1 aligns the averaging with
+        # the other methods' rounds (after steps H, 2H, ...)
+        train_model = model
+        step_opt = inner
+        if world > 1:
+            from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+
+            with torch.no_grad():
+                for t in model.parameters():
+                    dist.broadcast(t.data, src=0)
+            averager = PeriodicModelAverager(period=cfg.sync_every, warmup_steps=cfg.sync_every - 1)
     else:
         from ..outer import FGDiLoCo
 
@@ -413,8 +446,10 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
 
     rec = _Recorder(cfg, rank)
     setup_seconds = time.perf_counter() - t_setup
-    title = (f"{'DDP baseline' if ddp else 'Factored Gossip DiLoCo'}: {world} workers, {cfg.steps} steps"
-             + ("" if ddp else f", H={cfg.sync_every}, {cfg.topology}, codec {cfg.codec}")
+    title = ({"ddp": "DDP baseline", "localsgd": "local SGD baseline (PeriodicModelAverager)"}.get(
+                 cfg.baseline or "", "Factored Gossip DiLoCo") + f": {world} workers, {cfg.steps} steps"
+             + ("" if ddp else f", H={cfg.sync_every}" if localsgd else
+                f", H={cfg.sync_every}, {cfg.topology}, codec {cfg.codec}")
              + f", {n_params / 1e6:.2f}M params")
 
     eval_seconds = 0.0
@@ -422,18 +457,26 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     util_sum = util_n = 0.0
     bytes_total = 0.0
     failed_total = 0
+    blocked_round = 0.0  # baselines: seconds blocked in communication in this round
+    stop = False
+    net0 = _net_bytes() if cfg.net_counters else (0.0, 0.0)
     t_start = time.perf_counter()
+    t_round = t_start  # baselines: start of the current round (evaluation excluded)
 
     def record(step: int, rnd: int, train_loss: float | None, stats: Any, bytes_round: float | None) -> None:
-        nonlocal eval_seconds, pending_eval
+        nonlocal eval_seconds, pending_eval, stop, t_round
         t0 = time.perf_counter()
         wall = t0 - t_start
+        net = _net_bytes() if cfg.net_counters else (0.0, 0.0)
+        over = cfg.max_seconds is not None and wall - eval_seconds >= cfg.max_seconds
         loss = _evaluate(model, eval_set)
         util = stats["utilisation"] if stats else None
         cons = stats["consensus_distance"] if stats else None
         local = [loss, train_loss if train_loss is not None else 0.0, util if util is not None else 0.0,
-                 bytes_round or 0.0, cons if cons is not None else 0.0, 1.0 if cons is not None else 0.0]
+                 bytes_round or 0.0, cons if cons is not None else 0.0, 1.0 if cons is not None else 0.0,
+                 net[0] - net0[0], net[1] - net0[1], 1.0 if over else 0.0]
         s = _all_sum(local, world)  # after the round: costs no round time (subtracted below)
+        stop = s[8] > 0  # any rank past max_seconds: all stop after this round
         row = {
             "step": step,
             "round": rnd,
@@ -456,31 +499,55 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
             "consensus_distance_mean": s[4] / s[5] if s[5] else None,
             "failed_exchanges": stats["failed_exchanges"] if stats else None,
         }
+        if cfg.net_counters:  # bytes on this worker's interface since training started (headers included)
+            row.update(net_tx_bytes=net[0] - net0[0], net_rx_bytes=net[1] - net0[1], net_tx_bytes_mean=s[6] / world,
+                       net_rx_bytes_mean=s[7] / world)
         rec.write(row)
         dt = time.perf_counter() - t0
         eval_seconds += dt
         pending_eval += dt
+        t_round = time.perf_counter()
 
     try:
         record(0, 0, None, None, None)
         round_losses: list[float] = []
         done_rounds = 0
+        steps_done = 0
         for step in range(cfg.steps):
             for g in inner.param_groups:
                 g["lr"] = _lr_at(cfg, step)
             x, y = sample_batch(train, cfg.batch_size, cfg.block_size, batch_gen)
             _, loss = train_model(x, y)
             loss.backward()
+            if ddp and world > 1:  # backward() returned when the last bucket's all-reduce did
+                blocked_round += time.perf_counter() - bucket_ready[0]
             if cfg.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             step_opt.step()
+            if averager is not None:  # before zero_grad: PeriodicModelAverager averages parameters with a .grad
+                t_avg = time.perf_counter()
+                if averager.step >= averager.warmup_steps and (
+                        averager.step - averager.warmup_steps) % averager.period == 0:
+                    grad_bytes[0] += 4 * sum(p.numel() for p in model.parameters())
+                averager.average_parameters(model.parameters())
+                blocked_round += time.perf_counter() - t_avg
             step_opt.zero_grad(set_to_none=True)
             round_losses.append(loss.item())
+            steps_done = step + 1
             last = step + 1 == cfg.steps
-            if ddp:
+            if baseline:
                 if (step + 1) % cfg.sync_every and not last:
                     continue
-                stats = None
+                # seconds not blocked in communication / wall seconds, evaluation excluded (as for FGDiLoCo)
+                round_seconds = max(time.perf_counter() - t_round, 1e-9)
+                util_b = min(max(1.0 - blocked_round / round_seconds, 0.0), 1.0)
+                stats = {"utilisation": util_b, "round_seconds": round_seconds, "consensus_distance": None,
+                         "mix2_seconds": blocked_round, "mix1_wait_seconds": None, "mix1_seconds": None,
+                         "failed_exchanges": 0}
+                blocked_round = 0.0
+                t_round = time.perf_counter()
+                util_sum += util_b
+                util_n += 1
                 bytes_round = grad_bytes[0] * ring
                 grad_bytes[0] = 0
             else:
@@ -504,6 +571,8 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
             round_losses = []
             if done_rounds % cfg.eval_every == 0 or last:
                 record(step + 1, done_rounds, train_loss, stats, bytes_round)
+                if stop and not last:
+                    break
         total_seconds = time.perf_counter() - t_start
     finally:
         if opt is not None:
@@ -514,7 +583,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
                                                 float(failed_total)], world)
     rows = rec.rows
     summary: dict[str, Any] = {
-        "method": "ddp" if ddp else "fgdiloco",
+        "method": cfg.baseline or "fgdiloco",
         "workers": world,
         "rank": rank,
         "initial_eval_loss": rows[0]["eval_loss"],
@@ -522,18 +591,22 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
         "final_eval_loss_mean": rows[-1]["eval_loss_mean"],
         "best_eval_loss": min(r["eval_loss"] for r in rows),
         "unigram_loss": unigram,
-        "tokens": cfg.steps * tokens_per_step,
-        "steps": cfg.steps,
+        "tokens": steps_done * tokens_per_step,
+        "steps": steps_done,
+        "stopped_early": steps_done < cfg.steps,
         "rounds": done_rounds,
         "wall_seconds": total_seconds,
         "train_seconds": total_seconds - eval_seconds,
         "eval_seconds": eval_seconds,
         "setup_seconds": setup_seconds,
-        "tokens_per_second": cfg.steps * tokens_per_step / max(total_seconds - eval_seconds, 1e-9),
+        "tokens_per_second": steps_done * tokens_per_step / max(total_seconds - eval_seconds, 1e-9),
         "utilisation": None if ddp else util_all / world,
+        # baselines: seconds not blocked in communication / wall seconds, measured per round (evaluation excluded)
+        "utilisation_not_blocked": util_all / world if baseline else None,
         "bytes_sent": bytes_all / world,
         "bytes_sent_note": ("per worker, total: estimated ring all-reduce volume 2(M-1)/M x gradient bytes" if ddp
-                            else "per worker, total: Mix1 + Mix2 frame bytes"),
+                            else "per worker, total: estimated ring all-reduce volume 2(M-1)/M x parameter bytes"
+                            if localsgd else "per worker, total: Mix1 + Mix2 frame bytes"),
         "failed_exchanges": int(failed_all),
         "params": n_params,
         "vocab_size": vocab,
