@@ -1,0 +1,134 @@
+"""The analytic round model of benchmarks/simulate.py and its consensus study (fast: no training, no network)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from benchmarks.simulate import (
+    Network,
+    Workload,
+    contraction_matrices,
+    contraction_vectors,
+    perm_for,
+    predict,
+    ring_allreduce_bytes,
+    ring_allreduce_seconds,
+    rounds_to,
+)
+from fgdiloco.gossip.topology import make_topology
+
+W = Workload(params=500_000, step_seconds=0.05, sync_every=20, mix1_bytes=700_000, mix2_bytes=25_000,
+             outer_seconds=0.002)
+METHODS = ("ddp", "diloco", "localsgd", "fgdiloco")
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("bw", [0.1, 1.0, 10.0, 100.0, 1000.0, 1e5])
+@pytest.mark.parametrize("m", [1, 2, 4, 64, 1024])
+def test_utilisation_in_unit_interval(method, bw, m):
+    for r2 in (0, 1, 3):
+        p = predict(method, W, m, Network(bw, latency_s=0.001), mix2_rounds=r2)
+        assert 0.0 <= p.utilisation <= 1.0
+        assert p.round_seconds >= p.compute_seconds > 0
+        assert math.isclose(p.utilisation, p.compute_seconds / p.round_seconds)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_infinite_bandwidth_gives_full_utilisation(method):
+    w = Workload(W.params, W.step_seconds, W.sync_every, W.mix1_bytes, W.mix2_bytes, outer_seconds=0.0)
+    net = Network(math.inf, latency_s=0.0, pair_setup_s=0.0)
+    for m in (2, 4, 1024):
+        assert predict(method, w, m, net).utilisation == 1.0
+
+
+def test_utilisation_grows_with_bandwidth():
+    for method in METHODS:
+        us = [predict(method, W, 8, Network(bw)).utilisation for bw in (1, 10, 100, 1000, 10000)]
+        assert us == sorted(us)
+
+
+def test_fgdiloco_blocking_is_independent_of_m_and_diloco_grows():
+    net = Network(100.0, latency_s=0.001)
+    fg = [predict("fgdiloco", W, m, net).blocked_seconds for m in (2, 4, 16, 256, 1024)]
+    assert max(fg) - min(fg) < 1e-12
+    dl = [predict("diloco", W, m, net).blocked_seconds for m in (2, 4, 16, 256, 1024)]
+    assert all(b > a for a, b in zip(dl, dl[1:]))
+    # as modelled: bandwidth term 2(M-1)/M * S/bw, latency term 2(M-1) * a
+    s, m = 4.0 * W.params, 64
+    expect = 2 * (m - 1) / m * s / net.bytes_per_s + 2 * (m - 1) * net.latency_s + W.outer_seconds
+    assert math.isclose(predict("diloco", W, m, net).blocked_seconds, expect)
+    # without latency the all-reduce tends to 2 S / bw: bounded in M
+    net0 = Network(100.0, latency_s=0.0)
+    big = ring_allreduce_seconds(s, 1024, net0)
+    assert big < 2 * s / net0.bytes_per_s
+    assert math.isclose(big, (2 * 1023 / 1024) * s / net0.bytes_per_s)
+    assert ring_allreduce_bytes(s, 4) == 1.5 * s
+
+
+def test_mix1_hides_until_it_is_longer_than_the_inner_steps():
+    net = Network(100.0, latency_s=0.0, pair_setup_s=0.0)
+    compute = W.sync_every * W.step_seconds
+    t1 = W.mix1_bytes / net.bytes_per_s
+    assert t1 < compute
+    p = predict("fgdiloco", W, 4, net, mix2_rounds=0)
+    assert p.mix1_hidden and math.isclose(p.blocked_seconds, W.outer_seconds)
+    slow = Network(1.0, latency_s=0.0, pair_setup_s=0.0)
+    p = predict("fgdiloco", W, 4, slow, mix2_rounds=0)
+    assert not p.mix1_hidden
+    assert math.isclose(p.blocked_seconds, W.mix1_bytes / slow.bytes_per_s - compute + W.outer_seconds)
+
+
+def test_ddp_pays_every_step():
+    net = Network(100.0)
+    d = predict("ddp", W, 4, net)
+    dl = predict("diloco", W, 4, net)
+    assert math.isclose(d.blocked_seconds, W.sync_every * (dl.blocked_seconds - W.outer_seconds))
+    assert d.utilisation < dl.utilisation
+
+
+def test_exponential_m8_is_exact_after_3_rounds():
+    mat = contraction_matrices("exponential", 8, 3)
+    assert mat["worst"][2] == 0.0
+    assert mat["mean"][2] == 0.0
+    assert mat["worst"][1] > 0.0
+    vec = contraction_vectors("exponential", 8, 3)
+    assert vec[2] < 1e-15
+    assert rounds_to(vec, 1e-12) == 3
+    topo = make_topology("exponential", 8)
+    prod = np.eye(8)
+    for k in range(3):
+        prod = topo.mixing_matrix(k).numpy() @ prod
+    assert np.array_equal(prod, np.full((8, 8), 1 / 8))
+
+
+@pytest.mark.parametrize("name", ["random", "exponential", "ring"])
+def test_peer_vectors_match_mixing_matrices(name):
+    for m in (5, 16, 33):
+        vec = contraction_vectors(name, m, 10)
+        mat = contraction_matrices(name, m, 10)
+        assert np.allclose(vec, mat["mean"], atol=1e-12)
+        assert all(v <= w + 1e-12 for v, w in zip(mat["mean"], mat["worst"]))
+        topo = make_topology(name, m)
+        perm = perm_for(topo, 3)
+        assert np.array_equal(perm[perm], np.arange(m))  # a matching: peer of peer is self
+
+
+def test_contraction_is_monotone_and_ring_is_slowest():
+    ring = contraction_vectors("ring", 64, 64)
+    rnd = contraction_vectors("random", 64, 64)
+    assert all(b <= a + 1e-12 for a, b in zip(ring, ring[1:]))
+    assert rnd[-1] < ring[-1]
+    assert contraction_vectors("allreduce", 16, 1)[0] < 1e-15
+
+
+def test_halving_doubling_latency_grows_with_log_m():
+    from benchmarks.simulate import allreduce_seconds
+
+    net = Network(math.inf, latency_s=0.001)
+    assert math.isclose(allreduce_seconds(1e6, 1024, net, "halving_doubling"), 2 * 10 * 0.001)
+    assert math.isclose(allreduce_seconds(1e6, 1024, net, "ring"), 2 * 1023 * 0.001)
+    with pytest.raises(ValueError):
+        allreduce_seconds(1e6, 4, net, "tree")
