@@ -1,8 +1,10 @@
 """The ``fgdiloco`` console command.
 
 ``fgdiloco pretrain``: pretrain a small GPT on real text with Factored Gossip DiLoCo on local worker processes
-(defaults: 4 workers on the bundled public-domain corpus, about 3-4 minutes on 2 CPU cores). Each subcommand adds
-itself in its own ``add_<name>_parser`` function.
+(defaults: 4 workers on the bundled public-domain corpus, about 3-4 minutes on 2 CPU cores).
+``fgdiloco simulate``: the analytic round model of ``benchmarks/simulate.py`` (utilisation and wall time of DDP,
+DiLoCo and FG-DiLoCo against bandwidth and number of workers, consensus of the gossip topologies; needs a source
+checkout). Each subcommand adds itself in its own ``add_<name>_parser`` function.
 """
 
 from __future__ import annotations
@@ -74,8 +76,9 @@ def add_pretrain_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--rank", type=_positive_int, default=d.rank, help="rank of the lowrank codec")
     g.add_argument("--outer-lr", type=_positive_float, default=d.outer_lr, help="outer learning rate")
     g.add_argument("--outer-momentum", type=float, default=d.outer_momentum, help="outer Nesterov momentum")
-    g.add_argument("--baseline", choices=["ddp"], default=None,
-                   help="train the comparison instead: DistributedDataParallel, gradients all-reduced every step")
+    g.add_argument("--baseline", choices=["ddp", "localsgd"], default=None,
+                   help="train a comparison instead: 'ddp' (DistributedDataParallel, gradients all-reduced every "
+                        "step) or 'localsgd' (PyTorch's PeriodicModelAverager every --sync-every steps)")
     g.add_argument("--timeout", type=_positive_float, default=d.timeout, help="seconds per gossip exchange")
     g = p.add_argument_group("inner optimizer and batches")
     g.add_argument("--lr", type=_positive_float, default=d.lr, help="AdamW peak learning rate")
@@ -126,7 +129,8 @@ def run_pretrain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         cfg = _config_from_args(args).validate()
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
-    method = "DDP baseline" if cfg.baseline else f"Factored Gossip DiLoCo ({cfg.topology}, codec {cfg.codec})"
+    method = (f"{cfg.baseline} baseline" if cfg.baseline
+              else f"Factored Gossip DiLoCo ({cfg.topology}, codec {cfg.codec})")
     print(f"[fgdiloco] pretrain: {cfg.workers} workers x {cfg.steps} steps, {method}, sync every {cfg.sync_every}, "
           f"data: {cfg.data or 'bundled corpus'}, out: {cfg.out}", flush=True)
     try:
@@ -153,6 +157,48 @@ def _summary_text(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _benchmarks_simulate() -> Any:
+    """``benchmarks.simulate`` of the source checkout this package lives in, or None (installed from a wheel)."""
+    import importlib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "benchmarks" / "simulate.py").is_file():
+        return None
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    return importlib.import_module("benchmarks.simulate")
+
+
+def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``simulate`` to ``subparsers`` (the model lives in ``benchmarks/simulate.py`` of a source checkout)."""
+    p = subparsers.add_parser(
+        "simulate",
+        help="analytic model of a round: utilisation of DDP, DiLoCo and FG-DiLoCo vs bandwidth and workers",
+        description="Predict compute utilisation and wall time per round of DDP, DiLoCo and FG-DiLoCo from measured "
+                    "codec bytes on the example GPT, compute time per step, bandwidth, latency and M (up to 1024); "
+                    "simulate the consensus contraction of the gossip topologies; validate against "
+                    "benchmarks/results/wan.json when present. Writes benchmarks/results/simulate.json and PNGs. "
+                    "Same as python -m benchmarks.simulate (needs a source checkout).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    mod = _benchmarks_simulate()
+    if mod is not None:
+        mod.add_arguments(p)
+    p.set_defaults(func=run_simulate, subparser=p)
+    return p
+
+
+def run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    mod = _benchmarks_simulate()
+    if mod is None:
+        print("[fgdiloco] simulate needs a source checkout of fgdiloco (benchmarks/simulate.py beside the package)",
+              file=sys.stderr)
+        return 1
+    mod.print_report(mod.run(args))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -160,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"fgdiloco {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     add_pretrain_parser(sub)
+    add_simulate_parser(sub)
     return parser
 
 
