@@ -148,8 +148,8 @@ def _summary_text(s: dict[str, Any]) -> str:
         "[fgdiloco] done:",
         f"  held-out loss   {s['initial_eval_loss']:.3f} -> {s['final_eval_loss']:.3f} "
         f"(mean over workers {s['final_eval_loss_mean']:.3f}; unigram baseline {s['unigram_loss']:.3f})",
-        f"  tokens          {s['tokens'] / 1e6:.2f}M in {s['wall_seconds']:.1f} s "
-        f"({s['tokens_per_second']:.0f} tokens/s, evaluation excluded)",
+        f"  tokens          {s['tokens'] / 1e6:.2f}M in {s['wall_seconds']:.1f} s of training "
+        f"({s['tokens_per_second']:.0f} tokens/s without evaluation; set-up {s['setup_seconds']:.1f} s)",
         f"  utilisation     {util}   bytes sent per worker {s['bytes_sent'] / 1e6:.2f} MB   "
         f"failed exchanges {s['failed_exchanges']}",
         f"  outputs         {s.get('summary_path', '')}  {s.get('metrics_path', '')}  {s.get('plot_path', '')}",

@@ -216,6 +216,31 @@ def test_train_worker_ddp_baseline(tmp_path):
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
 
 
+def test_train_worker_lowrank_partial_last_round_and_sparse_evals(tmp_path):
+    cfg = tiny_config(tmp_path, codec="lowrank", rank=2, steps=25, sync_every=10, eval_every=2)
+    run_ranks(_run_worker, 2, tmp_path, cfg, timeout=90)
+    rows = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["round"]) for r in rows] == [(0, 0), (20, 2), (25, 3)]  # the last round is short
+    summary = json.loads((Path(cfg.out) / "summary.json").read_text())
+    assert summary["rounds"] == 3 and summary["config"]["codec"] == "lowrank" and summary["failed_exchanges"] == 0
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+
+
+def test_train_worker_single_process_without_torch_distributed(tmp_path, monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    cfg = tiny_config(tmp_path, workers=1, steps=10, sync_every=5, tokenizer="bytes")
+    threads = torch.get_num_threads()
+    try:
+        summary = train_worker(cfg)
+    finally:
+        torch.set_num_threads(threads)
+    assert summary["workers"] == 1 and summary["vocab_size"] == 256 and summary["bytes_sent"] == 0
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+    assert not torch.distributed.is_initialized()
+
+
 def test_config_validation(tmp_path):
     with pytest.raises(ValueError, match="sync_every"):
         TrainConfig(sync_every=0).validate()
@@ -267,4 +292,3 @@ def test_launch_through_the_cli(tmp_path):
 def test_bundled_corpus_is_packaged():
     files = sorted(p.name for p in pdata.bundled_corpus_dir().glob("*.txt"))
     assert files == ["moby_dick.txt", "shakespeare_comedies.txt"]
-    assert (pdata.bundled_corpus_dir() / "README.md").exists()
