@@ -102,9 +102,12 @@ class TrainConfig:
     eval_batches: int = 4
     quiet: bool = False
     # benchmarks (benchmarks/wan.py): stop after the round in which training time passes max_seconds (all ranks
-    # stop together); record the byte counters of the interface named by $GLOO_SOCKET_IFNAME in metrics.jsonl
+    # stop together); record the byte counters of the interface named by $GLOO_SOCKET_IFNAME in metrics.jsonl;
+    # eval_deferred: keep a copy of the weights at each evaluation point and evaluate them after training, so no
+    # evaluation runs between rounds (where background gossip would progress during time that is not counted)
     max_seconds: float | None = None
     net_counters: bool = False
+    eval_deferred: bool = False
 
     def validate(self) -> TrainConfig:
         """Check every field; returns ``self``.
@@ -462,6 +465,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     net0 = _net_bytes() if cfg.net_counters else (0.0, 0.0)
     t_start = time.perf_counter()
     t_round = t_start  # baselines: start of the current round (evaluation excluded)
+    deferred: list[tuple[dict[str, Any], dict[str, torch.Tensor]]] = []
 
     def record(step: int, rnd: int, train_loss: float | None, stats: Any, bytes_round: float | None) -> None:
         nonlocal eval_seconds, pending_eval, stop, t_round
@@ -469,7 +473,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
         wall = t0 - t_start
         net = _net_bytes() if cfg.net_counters else (0.0, 0.0)
         over = cfg.max_seconds is not None and wall - eval_seconds >= cfg.max_seconds
-        loss = _evaluate(model, eval_set)
+        loss = float("nan") if cfg.eval_deferred else _evaluate(model, eval_set)
         util = stats["utilisation"] if stats else None
         cons = stats["consensus_distance"] if stats else None
         local = [loss, train_loss if train_loss is not None else 0.0, util if util is not None else 0.0,
@@ -502,7 +506,10 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
         if cfg.net_counters:  # bytes on this worker's interface since training started (headers included)
             row.update(net_tx_bytes=net[0] - net0[0], net_rx_bytes=net[1] - net0[1], net_tx_bytes_mean=s[6] / world,
                        net_rx_bytes_mean=s[7] / world)
-        rec.write(row)
+        if cfg.eval_deferred:
+            deferred.append((row, {k: v.detach().clone() for k, v in model.state_dict().items()}))
+        else:
+            rec.write(row)
         dt = time.perf_counter() - t0
         eval_seconds += dt
         pending_eval += dt
@@ -574,6 +581,18 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
                 if stop and not last:
                     break
         total_seconds = time.perf_counter() - t_start
+        if deferred:  # evaluate the kept weights now (collective: every rank has the same evaluation points)
+            if opt is not None:
+                opt.close()
+            t0 = time.perf_counter()
+            live = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            for row, weights in deferred:
+                model.load_state_dict(weights)
+                row["eval_loss"] = _evaluate(model, eval_set)
+                row["eval_loss_mean"] = _all_sum([row["eval_loss"]], world)[0] / world
+                rec.write(row)
+            model.load_state_dict(live)
+            eval_seconds += time.perf_counter() - t0
     finally:
         if opt is not None:
             opt.close()
