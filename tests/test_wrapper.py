@@ -265,3 +265,24 @@ def test_consensus_distance_is_zero_for_identical_replicas_and_positive_otherwis
     run(same=False)
     assert dists[(True, 0)] == 0.0 and dists[(True, 1)] == 0.0
     assert dists[(False, 0)] == dists[(False, 1)] > 0.1
+
+
+def test_time_in_paused_is_left_out_of_the_round_clock():
+    model = make_model()
+    opt = FGDiLoCo(model, torch.optim.AdamW(model.parameters(), lr=INNER_LR), sync_every=2)
+    idle = threading.Event()  # never set: wait(t) stands in for t seconds of evaluation
+    rounds = []
+    for step in range(6):
+        loss_of(model, 0, step).backward()
+        opt.step()
+        opt.zero_grad()
+        if step % 2 == 1:
+            rounds.append(opt.last_round)
+        if step == 1:
+            with opt.paused():
+                idle.wait(0.3)
+        if step == 3:
+            idle.wait(0.3)  # the same work, not paused: it counts as the worker's own time
+    after_paused, after_unpaused = rounds[1], rounds[2]
+    assert after_paused.round_seconds < 0.2 and after_paused.inner_seconds < 0.2
+    assert after_unpaused.round_seconds >= 0.3 and after_unpaused.inner_seconds >= 0.3

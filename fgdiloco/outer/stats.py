@@ -15,7 +15,8 @@ class RoundStats:
     Attributes:
         round: index of the outer round that just finished (0-based).
         inner_steps: inner optimizer steps in the round (= ``sync_every``).
-        round_seconds: wall time from the end of the previous outer step to the end of this one.
+        round_seconds: wall time from the end of the previous outer step to the end of this one, less the time
+            spent inside ``FGDiLoCo.paused()`` (evaluation, checkpointing).
         inner_seconds: ``round_seconds`` minus the time blocked in synchronisation: the time the worker spent
             on its own work (forward, backward, inner step, data loading).
         mix2_seconds: time blocked in Mix2 (pseudo-gradient gossip).

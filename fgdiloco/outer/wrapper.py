@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import math
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -241,6 +242,7 @@ class FGDiLoCo:
         self._steps_in_round = 0
         self._mix1: _Mix1Job | None = None
         self._round_t0: float | None = None
+        self._paused_seconds = 0.0
         self.last_round: RoundStats | None = None
         self.failed_exchanges_total = 0
         self._hooks = [inner_optimizer.register_step_pre_hook(self._pre_step),
@@ -272,6 +274,22 @@ class FGDiLoCo:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner_optimizer.zero_grad(set_to_none=set_to_none)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Leave the time spent inside out of this round's clock (``round_seconds``, ``inner_seconds``).
+
+        Use it around work between inner steps that is not training, such as evaluation or checkpointing, so that
+        ``utilisation`` measures training only. Mix1 keeps running in the background meanwhile::
+
+            with opt.paused():
+                val_loss = evaluate(model)
+        """
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._paused_seconds += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ the round state machine
     def _start_mix1(self) -> None:
@@ -314,7 +332,7 @@ class FGDiLoCo:
             a.grad = None
         t_end = time.perf_counter()
 
-        round_seconds = t_end - self._round_t0
+        round_seconds = t_end - self._round_t0 - self._paused_seconds
         blocked = t_end - t_sync
         inner_seconds = max(round_seconds - blocked, 0.0)
         stats = RoundStats(
@@ -342,6 +360,7 @@ class FGDiLoCo:
         self._round += 1
         self._steps_in_round = 0
         self._round_t0 = t_end
+        self._paused_seconds = 0.0
         self._start_mix1()
         return stats
 
@@ -395,6 +414,7 @@ class FGDiLoCo:
         self._round = int(state["round"])
         self._steps_in_round = int(state["steps_in_round"])
         self._round_t0 = None
+        self._paused_seconds = 0.0
         self.codec.load_state_dict(state["codec"]["state"])
         self.mix1_codec.load_state_dict(state["mix1_codec"]["state"])
 
