@@ -74,6 +74,8 @@ def add_pretrain_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="gossip rounds of Mix2 (blocking pseudo-gradient mix) per outer round")
     g.add_argument("--codec", choices=CODECS, default=d.codec, help="Mix2's codec")
     g.add_argument("--rank", type=_positive_int, default=d.rank, help="rank of the lowrank codec")
+    g.add_argument("--no-error-feedback", dest="error_feedback", action="store_false",
+                   help="lowrank without error feedback (an ablation: what is not sent is lost)")
     g.add_argument("--outer-lr", type=_positive_float, default=d.outer_lr, help="outer learning rate")
     g.add_argument("--outer-momentum", type=float, default=d.outer_momentum, help="outer Nesterov momentum")
     g.add_argument("--baseline", choices=["ddp", "localsgd"], default=None,

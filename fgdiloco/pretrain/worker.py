@@ -72,6 +72,7 @@ class TrainConfig:
     mix2_rounds: int = 1
     codec: str = "dense"
     rank: int = 8
+    error_feedback: bool = True
     outer_lr: float = 0.7
     outer_momentum: float = 0.3
     baseline: str | None = None
@@ -181,7 +182,7 @@ def make_codec(cfg: TrainConfig) -> Any:
             from ..factor import LowRank  # type: ignore[attr-defined]
         except ImportError:
             raise ValueError("codec 'lowrank' is not available in this version of fgdiloco") from None
-        return LowRank(rank=cfg.rank)
+        return LowRank(rank=cfg.rank, error_feedback=cfg.error_feedback)
     try:
         return resolve_codec(cfg.codec, default="dense", argument="codec")
     except ValueError as e:
