@@ -44,13 +44,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from packaging.version import Version
-from torch import nn
 
-from fgdiloco.gossip import LocalHub, Topology
+from fgdiloco.gossip import Topology
 from fgdiloco.outer import FGDiLoCo
 
 __all__ = ["FGDiLoCoStrategy", "LightningFGDiLoCoStrategy", "replica_checkpoint_path", "CHECKPOINT_KEY",
-           "CHECKPOINT_FORMAT", "validate_fgdiloco_arguments"]
+           "CHECKPOINT_FORMAT"]
 
 log = logging.getLogger("fgdiloco")
 
@@ -67,21 +66,6 @@ _START_METHODS = ("popen", "spawn", "fork", "forkserver")
 def replica_checkpoint_path(filepath: str | os.PathLike, rank: int) -> str:
     """Where rank ``rank``'s (>= 1) part of the checkpoint ``filepath`` lives: ``<filepath>.replicas/rank{r}.pt``."""
     return f"{os.fspath(filepath)}.replicas/rank{rank}.pt"
-
-
-def validate_fgdiloco_arguments(**knobs: Any) -> None:
-    """Raise the ``TypeError`` / ``ValueError`` that :class:`FGDiLoCo` raises for these keyword arguments.
-
-    It builds a throw-away ``FGDiLoCo`` on a one-parameter model with a one-worker in-process transport: no
-    communication, no process group needed, and exactly FGDiLoCo's own checks and messages. A
-    :class:`~fgdiloco.gossip.Topology` instance is checked against the real world size later, at set-up.
-    """
-    if isinstance(knobs.get("topology"), Topology):  # built for the real world size: checked in setup()
-        knobs = {**knobs, "topology": "allreduce"}
-    model = nn.Linear(1, 1)
-    probe = FGDiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), **knobs, broadcast_init=False,
-                     transport=LocalHub(1).transport(0))
-    probe.close()
 
 
 def _local_sigterm_check(trainer: Any, exception: type[BaseException] | None) -> None:
@@ -131,7 +115,7 @@ class _FGDiLoCoStrategyMixin:
         knobs = dict(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
                      topology=topology, mix1_rounds=mix1_rounds, mix2_rounds=mix2_rounds, codec=codec,
                      mix1_codec=mix1_codec, timeout=timeout, seed=seed)
-        validate_fgdiloco_arguments(**knobs)
+        FGDiLoCo.check_arguments(**knobs)  # fail when the strategy is built, with FGDiLoCo's own messages
         super().__init__(  # type: ignore[call-arg]
             accelerator=accelerator,
             parallel_devices=parallel_devices,

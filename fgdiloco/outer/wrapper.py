@@ -181,22 +181,20 @@ class FGDiLoCo:
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
             raise TypeError(f"inner_optimizer must be a torch.optim.Optimizer, got {type(inner_optimizer).__name__}")
-        self.sync_every = _check_count("sync_every", sync_every, minimum=1, what="inner steps H per outer round")
-        self.outer_lr = _check_number("outer_lr", outer_lr, low=0.0, low_ok=False, allowed="a finite number > 0")
-        self.outer_momentum = _check_number("outer_momentum", outer_momentum, low=0.0, low_ok=True, high=1.0,
-                                            allowed="in [0, 1)")
-        self.mix1_rounds = _check_count("mix1_rounds", mix1_rounds, minimum=0, what="gossip rounds of Mix1")
-        self.mix2_rounds = _check_count("mix2_rounds", mix2_rounds, minimum=0, what="gossip rounds of Mix2")
-        self.timeout = _check_number("timeout", timeout, low=0.0, low_ok=False, allowed="seconds > 0")
-        if not _is_int(seed):
-            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-        self.seed = seed
-        self.nesterov = bool(nesterov) and self.outer_momentum > 0
-        self.codec = resolve_codec(codec, default="dense", argument="codec")
-        self.mix1_codec = resolve_codec(mix1_codec, default="bf16", argument="mix1_codec")
-        if self.codec is self.mix1_codec:
-            raise ValueError("codec and mix1_codec must be different Codec instances: a codec keeps per-tensor "
-                             "state (error feedback, warm start) and the two mixes run in different threads")
+        checked = self.check_arguments(
+            sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
+            topology=topology, mix1_rounds=mix1_rounds, mix2_rounds=mix2_rounds, codec=codec, mix1_codec=mix1_codec,
+            timeout=timeout, seed=seed)
+        self.sync_every: int = checked["sync_every"]
+        self.outer_lr: float = checked["outer_lr"]
+        self.outer_momentum: float = checked["outer_momentum"]
+        self.nesterov: bool = checked["nesterov"]
+        self.mix1_rounds: int = checked["mix1_rounds"]
+        self.mix2_rounds: int = checked["mix2_rounds"]
+        self.timeout: float = checked["timeout"]
+        self.seed: int = checked["seed"]
+        self.codec: Codec = checked["codec"]
+        self.mix1_codec: Codec = checked["mix1_codec"]
 
         self.model = model
         self.inner_optimizer = inner_optimizer
@@ -215,8 +213,6 @@ class FGDiLoCo:
 
         # Who the workers are.
         name = topology.name if isinstance(topology, Topology) else topology
-        if not isinstance(name, str):
-            raise TypeError(f"topology must be a name or a Topology, got {type(topology).__name__}")
         if transport is None and (process_group is not None or (dist.is_available() and dist.is_initialized())):
             exact = make_topology(name, 1).exact if isinstance(topology, str) else topology.exact
             transport = DistributedTransport(process_group, timeout=self.timeout, exact=exact)
@@ -248,6 +244,50 @@ class FGDiLoCo:
         self._hooks = [inner_optimizer.register_step_pre_hook(self._pre_step),
                        inner_optimizer.register_step_post_hook(self._post_step)]
         _LIVE.add(self)
+
+    @staticmethod
+    def check_arguments(
+        *,
+        sync_every: int,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        topology: str | Topology = "random",
+        mix1_rounds: int = 1,
+        mix2_rounds: int = 1,
+        codec: Codec | str | None = None,
+        mix1_codec: Codec | str | None = None,
+        timeout: float = 60.0,
+        seed: int = 0,
+    ) -> dict[str, Any]:
+        """Check the constructor's scalar arguments without building anything (no model, no communication).
+
+        Returns the normalised values (floats as float, codecs resolved to instances, ``nesterov`` False when
+        there is no momentum). Integrations such as the Lightning strategy call it to fail early, when they are
+        built. Raises the same ``TypeError``/``ValueError`` as the constructor.
+        """
+        out: dict[str, Any] = {
+            "sync_every": _check_count("sync_every", sync_every, minimum=1, what="inner steps H per outer round"),
+            "outer_lr": _check_number("outer_lr", outer_lr, low=0.0, low_ok=False, allowed="a finite number > 0"),
+            "outer_momentum": _check_number("outer_momentum", outer_momentum, low=0.0, low_ok=True, high=1.0,
+                                            allowed="in [0, 1)"),
+            "mix1_rounds": _check_count("mix1_rounds", mix1_rounds, minimum=0, what="gossip rounds of Mix1"),
+            "mix2_rounds": _check_count("mix2_rounds", mix2_rounds, minimum=0, what="gossip rounds of Mix2"),
+            "timeout": _check_number("timeout", timeout, low=0.0, low_ok=False, allowed="seconds > 0"),
+        }
+        if not _is_int(seed):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        out["seed"] = seed
+        out["nesterov"] = bool(nesterov) and out["outer_momentum"] > 0
+        if not isinstance(topology, Topology):
+            make_topology(topology, 1)  # unknown names and wrong types raise here, before any communication
+        out["topology"] = topology
+        out["codec"] = resolve_codec(codec, default="dense", argument="codec")
+        out["mix1_codec"] = resolve_codec(mix1_codec, default="bf16", argument="mix1_codec")
+        if out["codec"] is out["mix1_codec"]:
+            raise ValueError("codec and mix1_codec must be different Codec instances: a codec keeps per-tensor "
+                             "state (error feedback, warm start) and the two mixes run in different threads")
+        return out
 
     # ------------------------------------------------------------------ set-up
     def _broadcast_from_rank0(self, transport: DistributedTransport) -> None:
