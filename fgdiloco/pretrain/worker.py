@@ -15,8 +15,8 @@ Outputs in ``cfg.out`` (written by rank 0):
 * ``loss.png``: held-out loss against tokens and against training seconds, the unigram baseline dashed.
 
 Evaluation (held-out loss on a fixed set of validation windows, the same on every rank) runs between rounds and
-is kept out of the diagnostics: its time is subtracted from the next round's round and inner time, and from
-``train_seconds``.
+is kept out of the diagnostics: it runs inside ``FGDiLoCo.paused()``, so its time is not in any round's
+round or inner seconds, and it is subtracted from ``train_seconds``.
 """
 
 from __future__ import annotations
@@ -457,7 +457,6 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
              + f", {n_params / 1e6:.2f}M params")
 
     eval_seconds = 0.0
-    pending_eval = 0.0  # evaluation time that the wrapper will count into the next round
     util_sum = util_n = 0.0
     bytes_total = 0.0
     failed_total = 0
@@ -469,7 +468,11 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     deferred: list[tuple[dict[str, Any], dict[str, torch.Tensor]]] = []
 
     def record(step: int, rnd: int, train_loss: float | None, stats: Any, bytes_round: float | None) -> None:
-        nonlocal eval_seconds, pending_eval, stop, t_round
+        with opt.paused() if opt is not None else contextlib.nullcontext():  # evaluation is not training time
+            _record(step, rnd, train_loss, stats, bytes_round)
+
+    def _record(step: int, rnd: int, train_loss: float | None, stats: Any, bytes_round: float | None) -> None:
+        nonlocal eval_seconds, stop, t_round
         t0 = time.perf_counter()
         wall = t0 - t_start
         net = _net_bytes() if cfg.net_counters else (0.0, 0.0)
@@ -513,7 +516,6 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
             rec.write(row)
         dt = time.perf_counter() - t0
         eval_seconds += dt
-        pending_eval += dt
         t_round = time.perf_counter()
 
     try:
@@ -564,11 +566,6 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
                 if opt.round == done_rounds:
                     continue
                 stats = opt.last_round.as_dict()
-                if pending_eval > 0:  # keep evaluation out of this round's utilisation
-                    stats["round_seconds"] = max(stats["round_seconds"] - pending_eval, 1e-9)
-                    stats["inner_seconds"] = max(stats["inner_seconds"] - pending_eval, 0.0)
-                    stats["utilisation"] = min(stats["inner_seconds"] / stats["round_seconds"], 1.0)
-                pending_eval = 0.0
                 bytes_round = float(stats["bytes_sent"])
                 util_sum += stats["utilisation"]
                 util_n += 1
