@@ -117,7 +117,7 @@ def _exponential_mix(rank: int, world: int) -> list[list[float]]:
     d = int(math.log2(world))
     like = _values(rank)
     fp = layout_fingerprint((str(i), t.shape, t.dtype) for i, t in enumerate(like))
-    mixer = Mixer("mix1", make_topology("exponential", world), transport, Dense(), d, "difference", fp, 20.0)
+    mixer = Mixer("mix1", make_topology("exponential", world), transport, Dense(), d, fp, 20.0)
     res = mixer.run(like, outer_round=0)
     assert res.failed == 0 and res.exchanges == d
     return [t.flatten().tolist() for t in res.values]
@@ -139,7 +139,7 @@ def _random_schedule(rank: int, world: int) -> tuple[list[list[int | None]], int
     transport = DistributedTransport(timeout=20.0)
     like = _values(rank)
     fp = layout_fingerprint((str(i), t.shape, t.dtype) for i, t in enumerate(like))
-    mixer = Mixer("mix1", topo, transport, Dense(), 3, "difference", fp, 20.0)
+    mixer = Mixer("mix1", topo, transport, Dense(), 3, fp, 20.0)
     return schedule, mixer.run(like, outer_round=0).failed
 
 
@@ -150,20 +150,17 @@ def test_random_matchings_agree_across_processes_without_talking(tmp_path):
     assert all(failed == 0 for _, failed in results)
 
 
-def test_local_hub_mix_preserves_the_sum_with_a_lossy_codec():
+def _local_mix(topology: str, codec_factory, rounds: int, m: int = 4) -> dict[int, list[torch.Tensor]]:
     import threading
 
-    from fgdiloco.factor import BF16
-
-    m = 4
     hub = LocalHub(m)
-    topo = make_topology("random", m, seed=0)
+    topo = make_topology(topology, m, seed=0)
     like = _values(0)
     fp = layout_fingerprint((str(i), t.shape, t.dtype) for i, t in enumerate(like))
     out: dict[int, list[torch.Tensor]] = {}
 
     def worker(rank: int) -> None:
-        mixer = Mixer("mix1", topo, hub.transport(rank), BF16(), 2, "difference", fp, 10.0)
+        mixer = Mixer("mix2", topo, hub.transport(rank), codec_factory(), rounds, fp, 10.0)
         out[rank] = mixer.run([v.double() for v in _values(rank)], 0).values
 
     threads = [threading.Thread(target=worker, args=(r,)) for r in range(m)]
@@ -171,7 +168,31 @@ def test_local_hub_mix_preserves_the_sum_with_a_lossy_codec():
         t.start()
     for t in threads:
         t.join()
+    return out
+
+
+@pytest.mark.parametrize("codec", ["bf16", "lowrank-r1", "lowrank-r1-no-ef"])
+def test_pairwise_gossip_preserves_the_sum_exactly_with_a_lossy_codec(codec):
+    """The difference form: whatever the codec drops stays with its owner, so the workers' average (what DiLoCo
+    would apply) is untouched, while the replicas still move towards each other."""
+    from fgdiloco.factor import BF16, LowRank
+
+    factory = {"bf16": BF16, "lowrank-r1": lambda: LowRank(rank=1, quantize=None),
+               "lowrank-r1-no-ef": lambda: LowRank(rank=1, quantize=None, error_feedback=False)}[codec]
+    m = 4
+    out = _local_mix("random", factory, 2, m)
     for k in range(2):
-        before = sum(_values(r)[k].double() for r in range(m))
-        after = sum(out[r][k] for r in range(m))
-        torch.testing.assert_close(after, before, rtol=0, atol=1e-12)
+        before = [_values(r)[k].double() for r in range(m)]
+        after = [out[r][k] for r in range(m)]
+        torch.testing.assert_close(sum(after), sum(before), rtol=0, atol=1e-12)
+        spread = lambda xs: sum(float((x - sum(xs) / m).norm()) for x in xs)  # noqa: E731
+        assert spread(after) < spread(before)
+
+
+def test_exact_topology_with_a_lossy_codec_leaves_identical_replicas():
+    from fgdiloco.factor import LowRank
+
+    out = _local_mix("allreduce", lambda: LowRank(rank=1, quantize=None), 1)
+    for r in range(1, 4):
+        for a, b in zip(out[0], out[r]):
+            assert torch.equal(a, b)

@@ -246,9 +246,11 @@ def test_consensus_distance_is_zero_for_identical_replicas_and_positive_otherwis
 
     def run(same: bool) -> None:
         hub = LocalHub(2)
+        # built here, not in the threads: make_model seeds torch's global RNG, which the threads would share
+        models = [make_model(seed=0 if same else rank) for rank in range(2)]
 
         def worker(rank: int) -> None:
-            model = make_model(seed=0 if same else rank)
+            model = models[rank]
             opt = FGDiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.0), sync_every=1,
                            transport=hub.transport(rank), timeout=30.0)
             loss_of(model, rank, 0).backward()

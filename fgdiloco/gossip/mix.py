@@ -1,18 +1,22 @@
 """One gossip mix: ``r`` rounds of pairwise (or exact) averaging of a list of tensors through a codec.
 
-Two update rules, for the two things Factored Gossip DiLoCo mixes (DESIGN §2):
+Pairwise gossip (both mixes) uses the *difference* form ``x_i ← x_i + ½(q_j − q_i)``, where ``q`` is what the codec
+transmits and each side computes ``q_i`` exactly as its peer decodes it. The pair's sum is preserved exactly, so
+the average over workers (what DiLoCo would apply) is never changed by compression; the codec only limits how much
+agreement one round buys. A worker's own value is never replaced by its compressed copy: for parameters (Mix1, bf16)
+the rounding touches only the difference between replicas, and for pseudo-gradients (Mix2, e.g. low rank) each
+worker applies all of its own pseudo-gradient at once, nothing waits for a later round. The first gossip round of a
+mix encodes statefully (the codec's error feedback and warm start): over rounds, the sum of what a worker sent
+tracks the sum of its inputs, so the accumulated correction ``½ Σ (q_j − q_i)`` tracks full pairwise averaging
+(Vogels et al., PowerSGD, NeurIPS 2019, for the compressor; Koloskova et al., CHOCO-SGD, ICML 2019, for gossip of
+compressed differences). Later gossip rounds of the same mix encode with the codec's state read-only.
 
-* ``"difference"`` (Mix1, parameters): ``x_i ← x_i + ½(q_j − q_i)`` where ``q`` is what the codec transmits.
-  The pair's sum is preserved exactly and a worker's own value is never replaced by its quantised copy, so a bf16
-  wire format only perturbs the *difference* between replicas. With a lossless codec it is the plain average.
-* ``"replace"`` (Mix2, pseudo-gradients): the first round is ``x_i ← ½(q_i + q_j)``, the standard compressed
-  gossip whose loss the codec's error feedback carries into the next outer round (Vogels et al., PowerSGD,
-  NeurIPS 2019); later rounds of the same mix use the difference rule with the codec's state untouched, so no
-  further information is lost.
+The exact topology (``allreduce``) averages all workers at once: a lossless codec uses an all-reduce; a lossy one
+all-gathers frames and every worker takes the mean of the decoded values (the compressed all-reduce of DiLoCo with
+PowerSGD-style compression: the replicas stay identical and error feedback carries what was not sent).
 
 A failed exchange, a rejected frame or a peer in back-off leaves the worker's row of the mixing matrix as the
-identity for that gossip round (with the replace rule: the worker keeps ``q_i`` and the codec's error feedback keeps
-the rest), is counted in :class:`MixResult` and logged.
+identity for that gossip round (it keeps its own value), is counted in :class:`MixResult` and logged.
 """
 
 from __future__ import annotations
@@ -101,7 +105,6 @@ class Mixer:
         transport: moves the frames.
         codec: compresses what is sent.
         rounds: gossip rounds per mix (``r1`` or ``r2``); 0 makes the mix the identity.
-        rule: ``"difference"`` or ``"replace"`` (module docstring).
         fingerprint: the parameter-layout fingerprint checked in every frame.
         timeout: seconds per exchange.
         offset: added to the schedule index so that Mix1 and Mix2 of the same outer round pick different peers.
@@ -109,16 +112,12 @@ class Mixer:
     """
 
     def __init__(self, name: str, topology: Topology, transport: Transport | None, codec: Codec, rounds: int,
-                 rule: str, fingerprint: bytes, timeout: float, offset: int = 0,
-                 health: PeerHealth | None = None):
-        if rule not in ("difference", "replace"):
-            raise ValueError(f"rule must be 'difference' or 'replace', got {rule!r}")
+                 fingerprint: bytes, timeout: float, offset: int = 0, health: PeerHealth | None = None):
         self.name = name
         self.topology = topology
         self.transport = transport
         self.codec = codec
         self.rounds = rounds
-        self.rule = rule
         self.fingerprint = fingerprint
         self.timeout = timeout
         self.offset = offset
@@ -160,8 +159,7 @@ class Mixer:
         if self.health.skip(peer, outer_round):
             self._fail(res, f"peer {peer} skipped (back-off after failures)")
             return
-        stateful = first and self.rule == "replace"
-        body, own_q = self.codec.encode(res.values, stateful=stateful)
+        body, own_q = self.codec.encode(res.values, stateful=first)
         frame = encode_frame(self.codec, body, sender=rank, round=idx, fingerprint=self.fingerprint,
                              shuffle=self.codec.shuffle)
         key = f"{self.name}/{idx}"
@@ -169,8 +167,6 @@ class Mixer:
             got = self.transport.exchange(peer, frame, key=key, timeout=self.timeout)
         except ExchangeError as e:
             self.health.failure(peer, outer_round)
-            if stateful:
-                res.values = own_q
             self._fail(res, str(e))
             return
         res.bytes_sent += len(frame)
@@ -179,17 +175,12 @@ class Mixer:
             peer_q = decode_frame(got, self.codec, res.values, fingerprint=self.fingerprint, sender=peer,
                                   round=idx)
         except FrameError as e:
-            if stateful:
-                res.values = own_q
             self._fail(res, f"rejected frame from rank {peer}: {e}")
             return
         self.health.success(peer)
         if res.consensus_distance is None:
             res.consensus_distance = _l2(own_q, peer_q)  # both as sent: 0 for equal replicas
-        if stateful:
-            res.values = [0.5 * (a + b) for a, b in zip(own_q, peer_q)]
-        else:
-            res.values = [v + 0.5 * (b - a) for v, a, b in zip(res.values, own_q, peer_q)]
+        res.values = [v + 0.5 * (b - a) for v, a, b in zip(res.values, own_q, peer_q)]
 
     def _exact_round(self, res: MixResult, idx: int, first: bool) -> None:
         res.peers.append(-1)
@@ -214,7 +205,7 @@ class Mixer:
                 off += v.numel()
             res.values = out
             return
-        stateful = first and self.rule == "replace"
+        stateful = first
         rank = self.transport.rank
         body, own_q = self.codec.encode(res.values, stateful=stateful)
         frame = encode_frame(self.codec, body, sender=rank, round=idx, fingerprint=self.fingerprint,

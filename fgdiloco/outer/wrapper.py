@@ -225,9 +225,9 @@ class FGDiLoCo:
         topo2 = topology if isinstance(topology, Topology) else make_topology(name, self.world_size, seed + 1)
         health = PeerHealth()
         self._mixer1 = Mixer("mix1", self.topology, transport, self.mix1_codec,
-                             0 if self.topology.exact else self.mix1_rounds, "difference", self.fingerprint,
+                             0 if self.topology.exact else self.mix1_rounds, self.fingerprint,
                              self.timeout, offset=0, health=health)
-        self._mixer2 = Mixer("mix2", topo2, transport, self.codec, self.mix2_rounds, "replace", self.fingerprint,
+        self._mixer2 = Mixer("mix2", topo2, transport, self.codec, self.mix2_rounds, self.fingerprint,
                              self.timeout, offset=1, health=health)
 
         with torch.no_grad():
