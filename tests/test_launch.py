@@ -70,3 +70,35 @@ def test_mix1_and_mix2_in_flight_together_do_not_block_each_other_on_a_tcp_store
     """sync_every=1: Mix1 (background) is still exchanging when Mix2 starts. Both talk to the job's TCPStore,
     whose client serialises operations; sharing one connection deadlocked the pair until the timeout."""
     assert run_ranks(_back_to_back_rounds, 2, tmp_path, store="tcp") == [0, 0]
+
+
+def _prepared_exchange(rank: int, world: int) -> dict:
+    from fgdiloco.gossip import DistributedTransport, ExchangeError
+
+    t = DistributedTransport(timeout=3.0)
+    peer = 1 - rank if rank < 2 else None
+    out: dict = {}
+    if peer is not None:
+        t.prepare(peer, key="mix2/0")
+        t._prepared[(peer, "mix2/0")].result()  # set up in the background, before the exchange
+        builds = []
+        real = t._pair_group
+        t._pair_group = lambda *a: builds.append(a) or real(*a)
+        out["got"] = t.exchange(peer, f"from {rank}".encode(), key="mix2/0")
+        out["builds_during_exchange"] = len(builds)
+    if rank == 0:  # rank 2 exits without ever preparing: the prepared exchange fails within the timeout
+        t.prepare(2, key="mix2/1")
+        try:
+            t.exchange(2, b"x", key="mix2/1")
+        except ExchangeError as e:
+            out["dead_peer"] = str(e)
+    if rank == 2:
+        os._exit(0)
+    return out
+
+
+def test_a_prepared_pair_group_is_used_by_the_exchange_and_a_dead_peer_still_fails_cleanly(tmp_path):
+    res = run_ranks(_prepared_exchange, 3, tmp_path, allow_missing=(2,), store="tcp")
+    assert res[0]["got"] == b"from 1" and res[1]["got"] == b"from 0"
+    assert res[0]["builds_during_exchange"] == 0 and res[1]["builds_during_exchange"] == 0
+    assert "timed out" in res[0]["dead_peer"] or "failed" in res[0]["dead_peer"]

@@ -126,6 +126,17 @@ class Mixer:
     def schedule_index(self, outer_round: int, k: int) -> int:
         return outer_round * self.rounds + k + self.offset
 
+    def prepare(self, outer_round: int) -> None:
+        """Let the transport set up this mix's exchanges of ``outer_round`` in the background (e.g. Mix2's pair
+        groups while the inner steps run). Peers in back-off are left out, as :meth:`run` will skip them."""
+        if self.transport is None or self.transport.world_size == 1 or self.topology.exact:
+            return
+        for k in range(self.rounds):
+            idx = self.schedule_index(outer_round, k)
+            peer = self.topology.peer(self.transport.rank, idx)
+            if peer is not None and not self.health.skip(peer, outer_round):
+                self.transport.prepare(peer, key=f"{self.name}/{idx}", timeout=self.timeout)
+
     def run(self, values: Sequence[torch.Tensor], outer_round: int) -> MixResult:
         """Mix ``values`` in outer round ``outer_round``. The inputs are never modified in place; the result holds
         new tensors, or the inputs themselves where nothing was exchanged."""

@@ -61,6 +61,27 @@ def call_with_deadline(fn: Callable[[], T], timeout: float, what: str) -> T:
     return box["value"]
 
 
+class _Background:
+    """``fn()`` running in a daemon thread; :meth:`result` waits for it and returns its value or raises."""
+
+    def __init__(self, fn: Callable[[], Any], what: str):
+        self._box: dict[str, Any] = {}
+        self._thread = threading.Thread(target=self._run, args=(fn,), name=f"fgdiloco-{what}", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], Any]) -> None:
+        try:
+            self._box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised by result()
+            self._box["error"] = e
+
+    def result(self) -> Any:
+        self._thread.join()
+        if "error" in self._box:
+            raise self._box["error"]
+        return self._box["value"]
+
+
 class _StorePool:
     """Store connections handed to one exchange at a time (a clone costs ~0.2 s on a TCPStore, so they are
     reused). A timed-out exchange gives its connection back only when its thread really ends."""
@@ -94,6 +115,9 @@ class Transport(abc.ABC):
         Raises:
             ExchangeError: the peer is dead, hung, or the exchange did not finish within ``timeout`` seconds.
         """
+
+    def prepare(self, peer: int, *, key: str, timeout: float) -> None:  # noqa: B027 - optional hook
+        """Optionally start setting up a later :meth:`exchange` with ``peer`` under ``key`` (default: nothing)."""
 
     @abc.abstractmethod
     def all_gather(self, payload: bytes, *, key: str, timeout: float) -> list[bytes]:
@@ -149,6 +173,8 @@ class DistributedTransport(Transport):
             self._coll = dist.new_group(self.global_ranks, backend="gloo",
                                         timeout=datetime.timedelta(seconds=self.timeout))
         self._coll_lock = threading.Lock()
+        self._prepared: dict[tuple[int, str], _Background] = {}
+        self._prepared_lock = threading.Lock()
 
     def _pair_group(self, peer: int, key: str, timeout: float, store: dist.Store) -> tuple[Any, int]:
         a, b = sorted((self.rank, peer))
@@ -157,20 +183,47 @@ class DistributedTransport(Transport):
         pg = dist.ProcessGroupGloo(prefixed, me, 2, datetime.timedelta(seconds=timeout))
         return pg, 1 - me
 
-    def exchange(self, peer: int, payload: bytes, *, key: str, timeout: float | None = None) -> bytes:
+    def _build(self, peer: int, key: str, timeout: float) -> tuple[Any, int]:
+        store = self._stores.acquire()
+        try:
+            return self._pair_group(peer, key, timeout, store)
+        finally:  # the store is only needed for the rendezvous
+            self._stores.release(store)
+
+    def prepare(self, peer: int, *, key: str, timeout: float | None = None) -> None:
+        """Start building the pair group of a later ``exchange(peer, ..., key=key)`` in the background.
+
+        Setting up a Gloo pair costs a few store round trips and TCP connects; done during the inner steps, Mix2's
+        blocking exchange is left with the transfer itself. Both sides should prepare the same keys (they do: the
+        schedule is shared). A preparation that fails (peer dead, or it arrived more than ``timeout`` s later)
+        makes the exchange fall back to building its group on the spot under a fresh key.
+        """
+        self._check_peer(peer)
+        timeout = self.timeout if timeout is None else timeout
+        job = _Background(lambda: self._build(peer, key, timeout), f"prepare {key} with rank {peer}")
+        with self._prepared_lock:
+            self._prepared[(peer, key)] = job
+
+    def _check_peer(self, peer: int) -> None:
         if peer == self.rank or not 0 <= peer < self.world_size:
             raise ValueError(f"peer must be another rank in [0, {self.world_size}), got {peer}")
+
+    def exchange(self, peer: int, payload: bytes, *, key: str, timeout: float | None = None) -> bytes:
+        self._check_peer(peer)
         timeout = self.timeout if timeout is None else timeout
+        with self._prepared_lock:
+            prepared = self._prepared.pop((peer, key), None)
 
         def run() -> bytes:
-            store = self._stores.acquire()
-            try:
-                return _exchange(store)
-            finally:
-                self._stores.release(store)
-
-        def _exchange(store: dist.Store) -> bytes:
-            pg, other = self._pair_group(peer, key, timeout, store)
+            group = None
+            if prepared is not None:
+                try:
+                    group = prepared.result()
+                except Exception:  # noqa: BLE001 - fall back to a fresh group under a fresh key
+                    group = self._build(peer, key + "/retry", timeout)
+            if group is None:
+                group = self._build(peer, key, timeout)
+            pg, other = group
             n_out = torch.tensor([len(payload)], dtype=torch.int64)
             n_in = torch.zeros(1, dtype=torch.int64)
             works = [pg.send([n_out], other, 0), pg.recv([n_in], other, 0)]

@@ -332,14 +332,16 @@ class FGDiLoCo:
             self._paused_seconds += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ the round state machine
-    def _start_mix1(self) -> None:
+    def _start_round(self) -> None:
+        """Round start: Mix1 of the round-start parameters in the background, and Mix2's exchanges set up."""
         self._mix1 = _Mix1Job(self._mixer1, [a.detach().clone() for a in self._anchor], self._round)
+        self._mixer2.prepare(self._round)
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._mix1 is None:
             if self._round_t0 is None:
                 self._round_t0 = time.perf_counter()
-            self._start_mix1()
+            self._start_round()
 
     def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._steps_in_round += 1
@@ -355,7 +357,7 @@ class FGDiLoCo:
         """
         t_sync = time.perf_counter()
         if self._mix1 is None:
-            self._start_mix1()
+            self._start_round()
         if self._round_t0 is None:
             self._round_t0 = t_sync
         delta = [a - p.detach() for a, p in zip(self._anchor, self.params)]
@@ -401,7 +403,7 @@ class FGDiLoCo:
         self._steps_in_round = 0
         self._round_t0 = t_end
         self._paused_seconds = 0.0
-        self._start_mix1()
+        self._start_round()
         return stats
 
     # ------------------------------------------------------------------ checkpoints
