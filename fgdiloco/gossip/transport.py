@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-__all__ = ["ExchangeError", "Transport", "DistributedTransport", "LocalHub", "LocalTransport"]
+__all__ = ["Background", "ExchangeError", "Transport", "DistributedTransport", "LocalHub", "LocalTransport"]
 
 T = TypeVar("T")
 MAX_PAYLOAD_BYTES = 1 << 34  # a peer announcing more than 16 GiB is rejected before allocating
@@ -40,31 +40,15 @@ class ExchangeError(RuntimeError):
     """An exchange with a peer failed or timed out; the caller keeps its own value for that round."""
 
 
-def call_with_deadline(fn: Callable[[], T], timeout: float, what: str) -> T:
-    """Run ``fn`` in a daemon thread and return its result, or raise :class:`ExchangeError` after ``timeout`` s."""
-    box: dict[str, Any] = {}
+class Background:
+    """``fn()`` running in a daemon thread (a gossip exchange, or a whole mix).
 
-    def target() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the caller
-            box["error"] = e
-
-    th = threading.Thread(target=target, name=f"fgdiloco-{what}", daemon=True)
-    th.start()
-    th.join(timeout)
-    if th.is_alive():
-        raise ExchangeError(f"{what} timed out after {timeout:.1f} s")
-    if "error" in box:
-        err = box["error"]
-        raise ExchangeError(f"{what} failed: {type(err).__name__}: {err}") from err
-    return box["value"]
-
-
-class _Background:
-    """``fn()`` running in a daemon thread; :meth:`result` waits for it and returns its value or raises."""
+    :meth:`result` waits for it (at most ``timeout`` seconds when given) and returns its value or re-raises its
+    exception. The thread is a daemon: one left behind by a timeout ends when Gloo's own timeout fires.
+    """
 
     def __init__(self, fn: Callable[[], Any], what: str):
+        self.what = what
         self._box: dict[str, Any] = {}
         self._thread = threading.Thread(target=self._run, args=(fn,), name=f"fgdiloco-{what}", daemon=True)
         self._thread.start()
@@ -75,11 +59,28 @@ class _Background:
         except BaseException as e:  # noqa: BLE001 - re-raised by result()
             self._box["error"] = e
 
-    def result(self) -> Any:
-        self._thread.join()
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The value of ``fn()``; raises its exception, or :class:`ExchangeError` when ``timeout`` passes first."""
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise ExchangeError(f"{self.what} timed out after {timeout:.1f} s")
         if "error" in self._box:
             raise self._box["error"]
         return self._box["value"]
+
+
+def call_with_deadline(fn: Callable[[], T], timeout: float, what: str) -> T:
+    """Run ``fn`` in a daemon thread and return its result, or raise :class:`ExchangeError` after ``timeout`` s
+    (or, wrapped, whatever ``fn`` raised)."""
+    try:
+        return Background(fn, what).result(timeout)
+    except ExchangeError:
+        raise
+    except BaseException as err:  # noqa: BLE001 - every failure of an exchange is an ExchangeError
+        raise ExchangeError(f"{what} failed: {type(err).__name__}: {err}") from err
 
 
 class _StorePool:
@@ -173,7 +174,7 @@ class DistributedTransport(Transport):
             self._coll = dist.new_group(self.global_ranks, backend="gloo",
                                         timeout=datetime.timedelta(seconds=self.timeout))
         self._coll_lock = threading.Lock()
-        self._prepared: dict[tuple[int, str], _Background] = {}
+        self._prepared: dict[tuple[int, str], Background] = {}
         self._prepared_lock = threading.Lock()
 
     def _pair_group(self, peer: int, key: str, timeout: float, store: dist.Store) -> tuple[Any, int]:
@@ -200,7 +201,7 @@ class DistributedTransport(Transport):
         """
         self._check_peer(peer)
         timeout = self.timeout if timeout is None else timeout
-        job = _Background(lambda: self._build(peer, key, timeout), f"prepare {key} with rank {peer}")
+        job = Background(lambda: self._build(peer, key, timeout), f"prepare {key} with rank {peer}")
         with self._prepared_lock:
             self._prepared[(peer, key)] = job
 

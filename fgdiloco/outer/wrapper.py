@@ -6,7 +6,6 @@ import atexit
 import contextlib
 import logging
 import math
-import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -20,7 +19,7 @@ from ..factor.codec import Codec, resolve_codec
 from ..factor.frame import layout_fingerprint
 from ..gossip.mix import Mixer, MixResult, PeerHealth
 from ..gossip.topology import Topology, make_topology
-from ..gossip.transport import DistributedTransport, Transport
+from ..gossip.transport import Background, DistributedTransport, Transport
 from .stats import RoundStats
 
 __all__ = ["FGDiLoCo"]
@@ -61,35 +60,6 @@ def _check_count(name: str, value: Any, *, minimum: int, what: str) -> int:
     if value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum} ({what}), got {value}")
     return value
-
-
-class _Mix1Job:
-    """Mix1 running in a background thread; :meth:`wait` returns its :class:`MixResult`."""
-
-    def __init__(self, mixer: Mixer, values: list[torch.Tensor], outer_round: int):
-        self._result: MixResult | None = None
-        self._error: BaseException | None = None
-        self.started = time.perf_counter()
-        self._thread = threading.Thread(target=self._run, args=(mixer, values, outer_round),
-                                        name=f"fgdiloco-mix1-{outer_round}", daemon=True)
-        self._thread.start()
-
-    def _run(self, mixer: Mixer, values: list[torch.Tensor], outer_round: int) -> None:
-        try:
-            with torch.no_grad():
-                self._result = mixer.run(values, outer_round)
-        except BaseException as e:  # noqa: BLE001 - re-raised in wait()
-            self._error = e
-
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
-    def wait(self) -> MixResult:
-        self._thread.join()
-        if self._error is not None:
-            raise RuntimeError("Mix1 failed") from self._error
-        assert self._result is not None
-        return self._result
 
 
 class FGDiLoCo:
@@ -236,7 +206,7 @@ class FGDiLoCo:
                                                nesterov=self.nesterov)
         self._round = 0
         self._steps_in_round = 0
-        self._mix1: _Mix1Job | None = None
+        self._mix1: Background | None = None
         self._round_t0: float | None = None
         self._paused_seconds = 0.0
         self.last_round: RoundStats | None = None
@@ -334,8 +304,13 @@ class FGDiLoCo:
     # ------------------------------------------------------------------ the round state machine
     def _start_round(self) -> None:
         """Round start: Mix1 of the round-start parameters in the background, and Mix2's exchanges set up."""
-        self._mix1 = _Mix1Job(self._mixer1, [a.detach().clone() for a in self._anchor], self._round)
+        values, outer_round = [a.detach().clone() for a in self._anchor], self._round
+        self._mix1 = Background(lambda: self._run_mix1(values, outer_round), f"mix1-{outer_round}")
         self._mixer2.prepare(self._round)
+
+    @torch.no_grad()
+    def _run_mix1(self, values: list[torch.Tensor], outer_round: int) -> MixResult:
+        return self._mixer1.run(values, outer_round)
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._mix1 is None:
@@ -363,7 +338,7 @@ class FGDiLoCo:
         delta = [a - p.detach() for a, p in zip(self._anchor, self.params)]
         mix2 = self._mixer2.run(delta, self._round)
         t_mix2 = time.perf_counter()
-        mix1 = self._mix1.wait()
+        mix1 = self._mix1.result()
         t_mix1 = time.perf_counter()
         for a, theta, d in zip(self._anchor, mix1.values, mix2.values):
             a.copy_(theta)
@@ -446,7 +421,7 @@ class FGDiLoCo:
             raise ValueError(f"state dict was saved with seed={state['seed']}, this run uses seed={self.seed}; "
                              "the gossip schedule would change")
         if self._mix1 is not None:  # a Mix1 of the pre-load round may be in flight: let it end, then drop it
-            self._mix1.wait()
+            self._mix1.result()
             self._mix1 = None
         self.inner_optimizer.load_state_dict(state["inner"])
         with torch.no_grad():
@@ -465,7 +440,7 @@ class FGDiLoCo:
 
         Runs automatically at interpreter exit; call it yourself before ``destroy_process_group()``."""
         if self._mix1 is not None:
-            self._mix1.wait()
+            self._mix1.result()
             self._mix1 = None
         for h in self._hooks:
             h.remove()
