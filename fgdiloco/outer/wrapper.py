@@ -73,7 +73,9 @@ class FGDiLoCo:
     2. The inner optimizer takes H steps from the *unmixed* ``θ_i^t``; the pseudo-gradient is
        ``Δ_i = θ_i^t − θ_i``.
     3. **Mix2** (blocking) gossips ``Δ_i`` through ``codec`` (e.g. a low-rank factorisation with error feedback)
-       over ``mix2_rounds`` gossip rounds: ``Δ̄_i``.
+       over ``mix2_rounds`` gossip rounds: ``Δ̄_i``. Pairwise rounds mix in difference form,
+       ``Δ_i + ½(q(Δ_j) − q(Δ_i))``: the workers' average is exactly preserved whatever the codec drops (see
+       :mod:`fgdiloco.gossip.mix`). Its pair connections are set up in the background at round start.
     4. Wait for Mix1: ``θ̄_i``. The local outer step (SGD with Nesterov momentum, momentum kept per worker) gives
        ``θ_i^{t+1} = θ̄_i − outer_lr · Nesterov(Δ̄_i)``. The inner optimizer's state is kept across rounds.
 
@@ -94,7 +96,9 @@ class FGDiLoCo:
 
     Tuning: raise ``sync_every`` until the inner steps of one round take longer than Mix1 takes on your network
     (utilisation in :attr:`last_round` near 1); ``outer_lr`` 0.7 with momentum 0.9 and Nesterov is DiLoCo's
-    setting; if ``last_round.consensus_distance`` keeps growing, add Mix2 rounds or use the exponential topology.
+    setting for long runs (hundreds of rounds); with few rounds, lower momentum (the example job uses 0.3) avoids
+    overshooting. If ``last_round.consensus_distance`` keeps growing, add Mix2 rounds or use the exponential
+    topology. Wrap evaluation between steps in :meth:`paused` to keep it out of ``utilisation``.
 
     Args:
         model: the worker's model. Its trainable parameters (``requires_grad``) are synchronised.
