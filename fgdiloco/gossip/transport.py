@@ -21,6 +21,7 @@ otherwise hold up Mix2's on the main thread, and two workers could each wait for
 from __future__ import annotations
 
 import abc
+import contextlib
 import datetime
 import secrets
 import threading
@@ -133,7 +134,7 @@ class Transport(abc.ABC):
         flat.copy_((total / len(frames)).to(flat.dtype))
 
     def close(self) -> None:
-        """Release resources (nothing by default)."""
+        """Release resources; a closed transport must not be used again (nothing to do by default)."""
         return None
 
 
@@ -204,6 +205,18 @@ class DistributedTransport(Transport):
         job = Background(lambda: self._build(peer, key, timeout), f"prepare {key} with rank {peer}")
         with self._prepared_lock:
             self._prepared[(peer, key)] = job
+
+    def close(self) -> None:
+        """Let every prepared pair group finish setting up (each bounded by its timeout) and release them.
+
+        A daemon thread still inside Gloo when the interpreter exits aborts the process ("terminate called without
+        an active exception"), so this runs before exit (``FGDiLoCo.close``, also called at exit).
+        """
+        with self._prepared_lock:
+            pending, self._prepared = list(self._prepared.values()), {}
+        for job in pending:
+            with contextlib.suppress(Exception):  # a failed preparation has nothing left to release
+                job.result()
 
     def _check_peer(self, peer: int) -> None:
         if peer == self.rank or not 0 <= peer < self.world_size:

@@ -187,6 +187,7 @@ class FGDiLoCo:
 
         # Who the workers are.
         name = topology.name if isinstance(topology, Topology) else topology
+        self._owns_transport = transport is None
         if transport is None and (process_group is not None or (dist.is_available() and dist.is_initialized())):
             exact = make_topology(name, 1).exact if isinstance(topology, str) else topology.exact
             transport = DistributedTransport(process_group, timeout=self.timeout, exact=exact)
@@ -440,12 +441,15 @@ class FGDiLoCo:
         self.mix1_codec.load_state_dict(state["mix1_codec"]["state"])
 
     def close(self) -> None:
-        """Wait for an in-flight Mix1 and remove the step hooks; the wrapper cannot step afterwards.
+        """Wait for an in-flight Mix1 and the next round's prepared connections, remove the step hooks; the
+        wrapper cannot step afterwards.
 
         Runs automatically at interpreter exit; call it yourself before ``destroy_process_group()``."""
         if self._mix1 is not None:
             self._mix1.result()
             self._mix1 = None
+        if self._owns_transport and self.transport is not None:
+            self.transport.close()  # Mix2's pair groups prepared for a round that will not come
         for h in self._hooks:
             h.remove()
         self._hooks = []
