@@ -121,6 +121,8 @@ def main() -> None:
     p.add_argument("--sync-every", type=int, default=None, help="inner steps per outer round (default: 50)")
     p.add_argument("--topology", default=None, help="random (default), exponential, ring or allreduce")
     p.add_argument("--codec", default=None, help="Mix2 codec, e.g. dense (default) or bf16")
+    p.add_argument("--outer-momentum", type=float, default=None,
+                   help="outer Nesterov momentum (default 0.9; with only a few rounds 0.3 avoids overshooting)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--vocab-size", type=int, default=2048)
@@ -131,7 +133,7 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.setdefault("OMP_NUM_THREADS", "1")))
 
     gossip = {k: v for k, v in (("sync_every", args.sync_every), ("topology", args.topology),
-                                ("codec", args.codec)) if v is not None}
+                                ("codec", args.codec), ("outer_momentum", args.outer_momentum)) if v is not None}
     strategy = FGDiLoCoStrategy(**gossip) if gossip else "fgdiloco"
     dm = TextData(args.data, args.vocab_size, args.block_size, args.batch_size,
                   train_windows=args.steps * args.batch_size * args.workers)

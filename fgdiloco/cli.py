@@ -1,7 +1,7 @@
 """The ``fgdiloco`` console command.
 
 ``fgdiloco pretrain``: pretrain a small GPT on real text with Factored Gossip DiLoCo on local worker processes
-(defaults: 4 workers on the bundled public-domain corpus, about 3-4 minutes on 2 CPU cores).
+(defaults: 4 workers on the bundled public-domain corpus, about 3 minutes on 2 CPU cores).
 ``fgdiloco simulate``: the analytic round model of ``benchmarks/simulate.py`` (utilisation and wall time of DDP,
 DiLoCo and FG-DiLoCo against bandwidth and number of workers, consensus of the gossip topologies; needs a source
 checkout). Each subcommand adds itself in its own ``add_<name>_parser`` function.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 __all__ = ["build_parser", "main"]
@@ -57,7 +58,7 @@ def add_pretrain_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Pretrain a small nanoGPT-style model on real text with Factored Gossip DiLoCo: --workers local "
                     "processes (torchelastic, Gloo, OMP_NUM_THREADS=1) each take --steps AdamW steps and gossip "
                     "every --sync-every steps. Writes metrics.jsonl, summary.json and loss.png to --out. "
-                    "With no arguments it trains on the bundled public-domain corpus in about 3-4 minutes on 2 "
+                    "With no arguments it trains on the bundled public-domain corpus in about 3 minutes on 2 "
                     "CPU cores.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -74,7 +75,7 @@ def add_pretrain_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--codec", choices=CODECS, default=d.codec, help="Mix2's codec")
     g.add_argument("--rank", type=_positive_int, default=d.rank, help="rank of the lowrank codec")
     g.add_argument("--no-error-feedback", dest="error_feedback", action="store_false",
-                   help="lowrank without error feedback (an ablation: what is not sent is lost)")
+                   help="lowrank without error feedback (an ablation; it is on by default)%(default).0s")
     g.add_argument("--outer-lr", type=_positive_float, default=d.outer_lr, help="outer learning rate")
     g.add_argument("--outer-momentum", type=float, default=d.outer_momentum, help="outer Nesterov momentum")
     g.add_argument("--baseline", choices=["ddp", "localsgd"], default=None,
@@ -95,14 +96,15 @@ def add_pretrain_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--dropout", type=float, default=d.dropout, help="dropout probability")
     g = p.add_argument_group("data")
     g.add_argument("--data", default=None, metavar="PATH",
-                   help="UTF-8 text file or folder of .txt files (default: the bundled public-domain corpus)")
+                   help="UTF-8 text file or folder of .txt files "
+                        "(default: the bundled public-domain corpus)%(default).0s")
     g.add_argument("--tokenizer", choices=["bpe", "bytes"], default=d.tokenizer,
                    help="byte-level BPE (trained on the data, cached) or raw UTF-8 bytes")
     g.add_argument("--vocab-size", type=_positive_int, default=d.vocab_size, help="BPE vocabulary size")
     g.add_argument("--val-fraction", type=float, default=d.val_fraction, help="held-out tail of the tokens")
     g.add_argument("--cache-dir", default=None, metavar="DIR",
                    help="where to cache the tokenizer and token ids (default: .fgdiloco-cache/ beside the data, or "
-                        "~/.cache/fgdiloco when the data folder is read-only)")
+                        "~/.cache/fgdiloco when the data folder is read-only)%(default).0s")
     g = p.add_argument_group("output")
     g.add_argument("--out", default=d.out, metavar="DIR", help="output folder")
     g.add_argument("--seed", type=_count, default=d.seed, help="random seed (model, batches, gossip schedule)")
@@ -124,12 +126,17 @@ def _config_from_args(args: argparse.Namespace) -> Any:
 
 
 def run_pretrain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .pretrain.data import load_text
     from .pretrain.worker import launch
 
     try:
         cfg = _config_from_args(args).validate()
+        load_text(cfg.data)  # unreadable data fails here in one line, not inside every worker
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
+    out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        parser.error(f"--out {cfg.out!r} is a file; give a folder (it is created if missing)")
     method = (f"{cfg.baseline} baseline" if cfg.baseline
               else f"Factored Gossip DiLoCo ({cfg.topology}, codec {cfg.codec})")
     print(f"[fgdiloco] pretrain: {cfg.workers} workers x {cfg.steps} steps, {method}, sync every {cfg.sync_every}, "

@@ -12,17 +12,22 @@ unified ``lightning`` package is installed, ``LightningFGDiLoCoStrategy`` / ``Li
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 from typing import Any
 
 from ._register import ensure_registered
 
+# The lightning.pytorch twins exist only where the unified ``lightning`` package is installed.
+_TWINS = ("LightningFGDiLoCoStrategy", "LightningGossipMonitor")
+_HAS_LIGHTNING = importlib.util.find_spec("lightning") is not None
+
 __all__ = [
     "FGDiLoCoStrategy",
     "GossipMonitor",
-    "LightningFGDiLoCoStrategy",
-    "LightningGossipMonitor",
     "ConsensusGrowthWarning",
     "replica_checkpoint_path",
+    *(_TWINS if _HAS_LIGHTNING else ()),
 ]
 
 _LAZY = {
@@ -39,8 +44,9 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
+    if name in _TWINS and not _HAS_LIGHTNING:
+        raise AttributeError(f"{name} is the lightning.pytorch twin and needs the 'lightning' package "
+                             "(pip install lightning); with pytorch_lightning use the names without 'Lightning'")
     value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value
     return value

@@ -272,3 +272,17 @@ def test_four_replicas_default_strategy_resume_and_monitor(tmp_path):
             torch.testing.assert_close(resumed[r]["round_params"][k], full[r]["round_params"][k + 1],
                                        rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(resumed[r]["final_params"], full[r]["final_params"], rtol=1e-6, atol=1e-7)
+
+
+def test_star_import_works_without_the_unified_lightning_package():
+    import importlib.util
+
+    namespace: dict = {}
+    exec("from lightning_callbacks import *", namespace)  # noqa: S102 - the import form users write
+    assert "FGDiLoCoStrategy" in namespace and "GossipMonitor" in namespace
+    if importlib.util.find_spec("lightning") is None:
+        import lightning_callbacks
+
+        assert "LightningFGDiLoCoStrategy" not in namespace
+        with pytest.raises(AttributeError, match="needs the 'lightning' package"):
+            _ = lightning_callbacks.LightningFGDiLoCoStrategy

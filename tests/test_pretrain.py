@@ -292,3 +292,16 @@ def test_launch_through_the_cli(tmp_path):
 def test_bundled_corpus_is_packaged():
     files = sorted(p.name for p in pdata.bundled_corpus_dir().glob("*.txt"))
     assert files == ["moby_dick.txt", "shakespeare_comedies.txt"]
+
+
+def test_cli_rejects_unreadable_data_and_a_file_as_out_before_starting_workers(tmp_path, capsys):
+    binary = tmp_path / "data.bin"
+    binary.write_bytes(b"\x00\x01\xff\xfe")
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for argv, expected in ((["pretrain", "--data", str(binary)], "is not UTF-8 text"),
+                           (["pretrain", "--out", str(afile)], "is a file; give a folder")):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2
+        assert expected in capsys.readouterr().err

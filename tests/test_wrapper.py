@@ -174,6 +174,7 @@ def _new(**kwargs):
         ({"codec": "gzip"}, ValueError, r"codec='gzip' is not a known codec; use one of"),
         ({"mix1_codec": 3}, TypeError, r"mix1_codec must be None, a codec name or"),
         ({"seed": "x"}, TypeError, r"seed must be an int"),
+        ({"nesterov": "yes"}, TypeError, r"nesterov must be a bool"),
         ({"codec": (shared := BF16()), "mix1_codec": shared}, ValueError, r"must be different Codec instances"),
     ],
 )

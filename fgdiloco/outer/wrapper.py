@@ -252,6 +252,8 @@ class FGDiLoCo:
         }
         if not _is_int(seed):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        if not isinstance(nesterov, bool):
+            raise TypeError(f"nesterov must be a bool, got {type(nesterov).__name__}")
         out["seed"] = seed
         out["nesterov"] = bool(nesterov) and out["outer_momentum"] > 0
         if not isinstance(topology, Topology):
