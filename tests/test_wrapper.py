@@ -63,7 +63,9 @@ def test_round_diagnostics_are_filled_in(tmp_path):
         assert s["mix1_bytes_received"] > 48 and s["mix2_bytes_received"] > 48
         # dense fp32 pseudo-gradients vs bf16 parameters: Mix2's frames are larger than Mix1's, by at most the
         # 2x of the raw element sizes plus what zstd gains more on bf16 than on fp32 (PLATFORM.md: 1.46x vs 1.19x)
-        assert 1.3 < s["mix2_bytes_sent"] / s["mix1_bytes_sent"] < 2 * 1.46 / 1.0
+        ratio = s["mix2_bytes_sent"] / s["mix1_bytes_sent"]
+        assert ratio > 1.3
+        assert ratio < 2 * 1.46
         assert s["consensus_distance"] > 0
         assert 0 < s["utilisation"] <= 1
         parts = s["inner_seconds"] + s["mix2_seconds"] + s["mix1_wait_seconds"] + s["outer_seconds"]
