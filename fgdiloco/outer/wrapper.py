@@ -221,21 +221,12 @@ class FGDiLoCo:
         _LIVE.add(self)
 
     @staticmethod
-    def check_arguments(
-        *,
-        sync_every: int,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        nesterov: bool = True,
-        topology: str | Topology = "random",
-        mix1_rounds: int = 1,
-        mix2_rounds: int = 1,
-        codec: Codec | str | None = None,
-        mix1_codec: Codec | str | None = None,
-        timeout: float = 60.0,
-        seed: int = 0,
-    ) -> dict[str, Any]:
+    def check_arguments(*, sync_every: int, outer_lr: float, outer_momentum: float, nesterov: bool,
+                        topology: str | Topology, mix1_rounds: int, mix2_rounds: int, codec: Codec | str | None,
+                        mix1_codec: Codec | str | None, timeout: float, seed: int) -> dict[str, Any]:
         """Check the constructor's scalar arguments without building anything (no model, no communication).
+
+        Every argument is required: the defaults live in the constructor (and in integrations' own signatures).
 
         Returns the normalised values (floats as float, codecs resolved to instances, ``nesterov`` False when
         there is no momentum). Integrations such as the Lightning strategy call it to fail early, when they are
