@@ -343,7 +343,8 @@ def test_frames_from_a_corrupting_rank_are_rejected_and_the_others_keep_training
     # every gossip round (Mix1 and Mix2, one each per outer round) pairs the bad rank with exactly one peer
     rejected = sum(r["failed"] for i, r in enumerate(results) if i != bad)
     assert rejected == 2 * rounds
-    assert results[bad]["failed"] == 0  # it receives good frames
+    # it receives good frames, but its peers reject its own: an exchange is applied by both sides or by neither
+    assert results[bad]["failed"] == 2 * rounds
     for i, r in enumerate(results):
         assert r["finite"]
         assert r["last"] < 0.1 * r["first"], (i, r["first"], r["last"])

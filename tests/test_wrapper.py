@@ -45,10 +45,10 @@ def test_gossip_run_trains_and_replicas_differ_between_exact_rounds(tmp_path):
     assert results[0] != results[1]
 
 
-def _stats_run(rank: int, world: int) -> dict:
+def _stats_run(rank: int, world: int, mix_momentum: bool) -> dict:
     model = make_model(seed=rank)  # different starts: Mix1 has work to do
     opt = FGDiLoCo(model, torch.optim.AdamW(model.parameters(), lr=INNER_LR), sync_every=H, topology="exponential",
-                   broadcast_init=False, timeout=20.0)
+                   broadcast_init=False, timeout=20.0, mix_momentum=mix_momentum)
     for step in range(3 * H):
         loss_of(model, rank, step).backward()
         opt.step()
@@ -56,17 +56,22 @@ def _stats_run(rank: int, world: int) -> dict:
     return opt.last_round.as_dict()
 
 
-def test_round_diagnostics_are_filled_in(tmp_path):
-    for s in run_ranks(_stats_run, 4, tmp_path):
+@pytest.mark.parametrize("mix_momentum", [False, True])
+def test_round_diagnostics_are_filled_in(tmp_path, mix_momentum):
+    for s in run_ranks(_stats_run, 4, tmp_path, mix_momentum):
         assert s["round"] == 2 and s["inner_steps"] == H
         assert s["mix1_bytes_sent"] > 48 and s["mix2_bytes_sent"] > 48
         assert s["mix1_bytes_received"] > 48 and s["mix2_bytes_received"] > 48
         # dense fp32 pseudo-gradients vs bf16 parameters: Mix2's frames are larger than Mix1's, by at most the
-        # 2x of the raw element sizes plus what zstd gains more on bf16 than on fp32 (PLATFORM.md: 1.46x vs 1.19x)
-        ratio = s["mix2_bytes_sent"] / s["mix1_bytes_sent"]
+        # 2x of the raw element sizes plus what zstd gains more on bf16 than on fp32 (PLATFORM.md: 1.46x vs 1.19x);
+        # Mix1 moving the momentum too doubles its elements
+        ratio = s["mix2_bytes_sent"] / s["mix1_bytes_sent"] * (2 if mix_momentum else 1)
         assert ratio > 1.3
         assert ratio < 2 * 1.46
-        assert s["consensus_distance"] > 0
+        # size-independent distances: RMS per element and relative to the parameters' norm
+        assert 0 < s["consensus_distance"] < 1 and 0 < s["consensus_relative"] < 1
+        assert s["pseudo_gradient_distance"] > 0 and s["pseudo_gradient_relative"] > 0
+        assert (s["momentum_distance"] is not None) == mix_momentum
         assert 0 < s["utilisation"] <= 1
         parts = s["inner_seconds"] + s["mix2_seconds"] + s["mix1_wait_seconds"] + s["outer_seconds"]
         assert parts == pytest.approx(s["round_seconds"], rel=0.05, abs=2e-3)

@@ -9,20 +9,34 @@ Mixing needs one more thing from a codec: what the *receiver* will reconstruct f
 keeps pairwise gossip sum-preserving even with a lossy codec (see :mod:`fgdiloco.gossip.mix`).
 
 Stateful codecs (error feedback, warm-started factors) keep per-tensor state between rounds. That state changes only
-on ``encode(..., stateful=True)`` and is saved by :meth:`Codec.state_dict` as part of ``FGDiLoCo.state_dict()``.
+on ``encode(..., stateful=True)`` or when the ``commit`` of :meth:`Codec.encode_staged` / a pair session is called
+(the mixer calls it only once the exchange succeeded on both sides), and is saved by :meth:`Codec.state_dict` as
+part of ``FGDiLoCo.state_dict()``.
+
+Pairwise gossip rounds run a codec's *pair session* (:meth:`Codec.pair_session`): a short conversation of one or
+more messages with the peer that ends in the correction ``c_i`` this worker adds to its value (its peer adds
+``c_j = −c_i``, bit for bit, so the pair's sum is preserved). A pairwise round must be *consensus-safe*
+(DESIGN §3.1): the disagreement ``‖(I−J)X‖_F`` after the round is at most
+``sqrt(‖(I−J)X‖_F² + Σ_i floor_i²)``, where ``floor_i = ‖q(x_i) − x_i‖_F`` is worker i's own quantisation error in
+that round (reported as :attr:`PairOutcome.floor`; 0 for lossless number formats, up to float rounding). The
+default session (one message: ``q(x_i)``, correction ``½(q(x_j) − q(x_i))``) has that property for every
+*stateless* value codec (dense, bf16, int8); :class:`~fgdiloco.factor.lowrank.LowRank` overrides it with a
+projection onto a basis both peers share.
 """
 
 from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-__all__ = ["Codec", "Dense", "BF16", "CodecError", "register_codec", "codec_from_id", "resolve_codec"]
+__all__ = ["Codec", "Dense", "BF16", "CodecError", "Message", "PairOutcome", "PairSession", "register_codec",
+           "codec_from_id", "resolve_codec"]
 
 
 class CodecError(ValueError):
@@ -30,6 +44,49 @@ class CodecError(ValueError):
 
 
 _REGISTRY: dict[int, type[Codec]] = {}
+
+
+@dataclass
+class Message:
+    """One message of a pair session: what this worker sends, and how to decode what the peer sends back.
+
+    Attributes:
+        body: the codec body to send (wrapped in a checked frame by the mixer).
+        codec: the codec whose ``codec_id``, ``max_body_bytes`` and ``decode`` frame and check this message (the
+            session's codec itself, or a helper for a message of another layout).
+        like: tensors giving the shapes, dtypes and device of the peer's message once decoded.
+    """
+
+    body: bytes
+    codec: Codec
+    like: Sequence[torch.Tensor]
+
+
+@dataclass
+class PairOutcome:
+    """The end of a pair session on one worker.
+
+    Attributes:
+        correction: one fp32 tensor per value: this worker's new value is ``x_i + correction`` (the peer's
+            correction is the exact negation of this one).
+        distance_sq: per value tensor, ``‖q(x_i) − q(x_j)‖²`` (the disagreement as transmitted; equal inputs give 0).
+        floor: ``‖q(x_i) − x_i‖_F`` over all tensors: this worker's own quantisation error in the round, the term
+            the consensus-safety bound allows on top of the previous disagreement.
+        commit: applies the codec state change of this round (warm starts); called only when both sides accepted
+            the exchange.
+    """
+
+    correction: list[torch.Tensor]
+    distance_sq: list[float]
+    floor: float = 0.0
+    commit: Callable[[], None] = field(default=lambda: None)
+
+
+#: A pair session: yields the :class:`Message` to send and receives the peer's decoded tensors in reply
+#: (``reply = yield message``), until it returns the :class:`PairOutcome`. ``lower`` (an argument of
+#: :meth:`Codec.pair_session`) is True on the peer with the lower rank, so both sides can order shared computations
+#: the same way.
+PairSession = Generator[Message, list[torch.Tensor], PairOutcome]
 
 
 def register_codec(cls: type[Codec]) -> type[Codec]:
@@ -58,6 +115,10 @@ class Codec(abc.ABC):
     codec_id: ClassVar[int]
     name: ClassVar[str]
     lossless: ClassVar[bool] = False
+    #: True when encoding reads or updates per-worker state (error feedback, warm starts). A stateful codec is not
+    #: allowed in Mix1 (parameters); in pairwise rounds it must override :meth:`pair_session` with a
+    #: consensus-safe protocol.
+    stateful: ClassVar[bool] = False
     shuffle: int = 0
 
     @abc.abstractmethod
@@ -82,6 +143,37 @@ class Codec(abc.ABC):
         Raises:
             CodecError: the body does not fit ``like`` (wrong length or layout).
         """
+
+    def encode_staged(self, tensors: Sequence[torch.Tensor]) -> tuple[bytes, list[torch.Tensor], Callable[[], None]]:
+        """Encode like ``encode(tensors, stateful=True)`` but leave the codec's state unchanged until the returned
+        ``commit()`` is called (the exact-average path calls it only when the collective succeeded).
+
+        Returns ``(body, decoded, commit)``. Stateless codecs return a no-op ``commit``; stateful codecs override it.
+        """
+        body, decoded = self.encode(tensors, stateful=False)
+        return body, decoded, lambda: None
+
+    def pair_session(self, values: Sequence[torch.Tensor], *, lower: bool) -> PairSession:
+        """The pairwise gossip round of a stateless value codec: send ``q(x_i)``, receive ``q(x_j)``, correct by
+        ``½(q(x_j) − q(x_i))`` (difference form; the pair's sum is preserved and the pair's disagreement becomes
+        ``q``'s own error, see the module docstring). ``values`` are fp32 and not modified.
+
+        Raises:
+            ValueError: the codec is stateful and does not provide its own consensus-safe session.
+        """
+        if self.stateful:
+            raise ValueError(f"{type(self).__name__} keeps per-worker state and defines no consensus-safe pair "
+                             "session; it can only be used with topology='allreduce'")
+        body, own = self.encode(values, stateful=False)
+        peer = yield Message(body, self, values)
+        correction, dist_sq, floor_sq = [], [], 0.0
+        for x, a, b in zip(values, own, peer):
+            a32, b32 = a.to(torch.float32), b.to(device=a.device, dtype=torch.float32)
+            diff = b32 - a32
+            correction.append(0.5 * diff)
+            dist_sq.append(float(torch.sum(diff.double() ** 2)))
+            floor_sq += float(torch.sum((a32.double() - x.double()) ** 2))
+        return PairOutcome(correction, dist_sq, math.sqrt(floor_sq))
 
     def max_body_bytes(self, like: Sequence[torch.Tensor]) -> int:
         """Upper bound, in bytes, of a body this codec makes for tensors shaped like ``like``.

@@ -1,4 +1,15 @@
-"""PowerSGD-style low-rank compression of pseudo-gradients with error feedback (Vogels et al., NeurIPS 2019)."""
+"""Low-rank compression of pseudo-gradients.
+
+Two protocols share one codec (:class:`LowRank`), chosen by the mix that runs it:
+
+* **Pairwise gossip rounds** (random, exponential, ring topologies): a *pair-agreed projection*. Both peers project
+  onto one basis they build together, so the round is consensus-safe (DESIGN §3.1): ``q(Δ_j) − q(Δ_i) =
+  P̂P̂ᵀ(Δ_j − Δ_i)`` and the pair's disagreement can only shrink (up to the number format's floor). No error
+  feedback: the difference form already keeps the workers' average exact, and a residual would be paid later to a
+  different peer.
+* **The exact (all-reduce) path**: PowerSGD with warm start and error feedback (Vogels, Karimireddy & Jaggi,
+  NeurIPS 2019), where every worker applies the same mean.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .codec import Codec, CodecError, _all_finite, register_codec
+from .codec import Codec, CodecError, Message, PairOutcome, PairSession, _all_finite, register_codec
 from .quantize import DEFAULT_BLOCK, _check_block, dequantize_int8, int8_nscales, quantize_int8
 
 __all__ = ["LowRank"]
@@ -72,9 +83,25 @@ class LowRank(Codec):
     ``min_compression · r·(m + n) < m·n``; other tensors (1-D biases and norms, 0-D scalars, small or narrow
     matrices) go *dense*, in the same number format, with the same error feedback.
 
-    Error feedback makes the compression unbiased over time: the sum of everything sent up to round ``t`` equals
-    the sum of the inputs minus the current residual (``Σ M̂ = Σ Δ − e_t``), and the residual stays bounded, so
-    nothing is lost, only delayed. Without it (``error_feedback=False``, for ablations) the part outside the
+    **Pairwise rounds** use :meth:`pair_session` instead (no residual; the warm start is the only state)::
+
+        worker i                                    worker j (the same, with i and j swapped)
+        P_i = Δ_i Q_i            ── send P_i ──▶     (m × r per matrix, Q_i: this worker's warm start)
+        P̂  = top-r left singular vectors of [P_lo, P_hi]    (identical on both: same inputs, same order)
+        B_i = P̂ᵀ Δ_i             ── send B_i ──▶     (r × n per matrix; 1-D tensors travel dense here)
+        Δ_i ← Δ_i + ½ P̂ (B_j − B_i)                 = Δ_i + ½ P̂P̂ᵀ(Δ_j − Δ_i)
+        Q_i ← rows of (B_i + B_j), normalised       (committed only when the exchange succeeded)
+
+    The same numbers travel as in the exact path (``r·(m + n)`` per matrix), in two messages instead of one. The
+    pair's new difference is ``(I − P̂P̂ᵀ)(Δ_i − Δ_j)`` plus the number format's error on ``B`` (the floor: 0 for
+    ``"fp32"``, half an int8 step of each row block of ``B`` for ``"int8"``), so a round never increases the
+    disagreement beyond that floor, whatever the inputs, even when the workers' shared part dominates (a
+    per-worker subspace would not cancel it). Measured on the example GPT's real pseudo-gradients (4 workers,
+    ``benchmarks/consensus.py``): see the README's consensus table.
+
+    Error feedback (exact path) makes the compression unbiased over time: the sum of everything sent up to round
+    ``t`` equals the sum of the inputs minus the current residual (``Σ M̂ = Σ Δ − e_t``), and the residual stays
+    bounded, so nothing is lost, only delayed. Without it (``error_feedback=False``, for ablations) the part outside the
     top-``r`` subspace is dropped every round and the gap grows linearly.
 
     Tuning (as for PowerSGD): start at ``rank=1``-``4`` and double it only if training lags the dense codec; keep
@@ -104,7 +131,8 @@ class LowRank(Codec):
 
     Args:
         rank: r, the rank of each factorisation (int >= 1).
-        error_feedback: keep a per-tensor residual of what was not sent and add it to the next input.
+        error_feedback: on the exact (all-reduce) path, keep a per-tensor residual of what was not sent and add it
+            to the next input. Pairwise rounds never use a residual.
         quantize: number format on the wire: ``"int8"``, ``"bf16"``, ``"fp32"`` or None (= ``"fp32"``).
         block: elements per int8 scale (int in [1, 2**20]); a block never spans two factor rows.
         min_compression: factor a matrix only if that sends fewer than ``1/min_compression`` of its numbers
@@ -117,6 +145,7 @@ class LowRank(Codec):
 
     codec_id = 4
     name = "lowrank"
+    stateful = True
 
     def __init__(self, rank: int = 4, *, error_feedback: bool = True, quantize: str | None = "int8",
                  block: int = DEFAULT_BLOCK, min_compression: float = 1.0, seed: int = 0):
@@ -307,6 +336,101 @@ class LowRank(Codec):
                     self._e[i] = mb[j].view(self._shapes[i])
         return self._pack(wire), decoded
 
+    def encode_staged(self, tensors):
+        """``encode(tensors, stateful=True)`` whose warm starts and residuals take effect only on ``commit()``
+        (the exact path commits once the all-gather succeeded)."""
+        old = (self._shapes, list(self._q), list(self._e))
+        body, decoded = self.encode(tensors, stateful=True)
+        new = (self._shapes, list(self._q), list(self._e))
+        self._shapes, self._q, self._e = old
+
+        def commit() -> None:
+            self._shapes, self._q, self._e = new
+
+        return body, decoded, commit
+
+    def pair_session(self, values, *, lower) -> PairSession:
+        """The pairwise round: a pair-agreed projection (see the class docstring), two messages each way.
+
+        Args:
+            values: one fp32 tensor per parameter (the pseudo-gradients); not modified.
+            lower: True on the peer with the lower rank (it puts its factors first when building the basis).
+
+        Raises:
+            CodecError: this worker's own input holds NaN or ±Inf (nothing is sent; the mixer aborts the exchange).
+            ValueError: the codec holds state for a different layout.
+        """
+        shapes = tuple(tuple(t.shape) for t in values)
+        plan = self._plan(shapes)
+        if self._shapes is not None and shapes != self._shapes:
+            raise ValueError(f"LowRank holds state for {len(self._shapes)} tensors; got {len(shapes)} tensors of "
+                             "another layout: one codec instance serves one parameter layout")
+        fmt = _Rows(self)
+        factored = [g for g in plan.groups if g.factored]
+        dense = [g for g in plan.groups if not g.factored]
+        mats, p_rows = [], []
+        for g in factored:
+            dev = values[g.indices[0]].device
+            x = torch.stack([values[i].detach().reshape(g.m, g.n).to(device=dev, dtype=torch.float32)
+                             for i in g.indices])
+            q = torch.stack([self._start_q(i, g.n, dev) for i in g.indices])  # (B, r, n)
+            p = torch.bmm(x, q.transpose(1, 2))  # (B, m, r)
+            mats.append(x)
+            p_rows.append(p.transpose(1, 2).reshape(-1, g.m))  # (B·r, m): one row per direction
+        if not all(_all_finite(p) for p in p_rows):
+            raise CodecError("this worker's pseudo-gradient holds NaN or Inf; nothing was sent")
+        body, own_p = fmt.encode(p_rows)
+        peer_p = yield Message(body, fmt, own_p)
+
+        bases, b_rows = [], []
+        for g, x, mine, theirs in zip(factored, mats, own_p, peer_p):
+            b = len(g.indices)
+            lo, hi = (mine, theirs.to(mine.device)) if lower else (theirs.to(mine.device), mine)
+            stacked = torch.cat([lo.view(b, g.rank, g.m), hi.view(b, g.rank, g.m)], dim=1).transpose(1, 2)
+            basis = _top_left_singular(stacked, g.rank)  # (B, m, r), identical on both peers
+            bases.append(basis)
+            b_rows.append(torch.bmm(basis.transpose(1, 2), x).reshape(-1, g.n))  # (B·r, n)
+        for g in dense:
+            dev = values[g.indices[0]].device
+            b_rows.append(torch.stack([values[i].detach().reshape(-1).to(device=dev, dtype=torch.float32)
+                                       for i in g.indices]))  # (B, n)
+        if not all(_all_finite(r) for r in b_rows[len(factored):]):
+            raise CodecError("this worker's pseudo-gradient holds NaN or Inf; nothing was sent")
+        body, own_b = fmt.encode(b_rows)
+        peer_b = yield Message(body, fmt, own_b)
+
+        correction: list[torch.Tensor | None] = [None] * len(values)
+        dist_sq = [0.0] * len(values)
+        floor_sq = 0.0
+        warm: dict[int, torch.Tensor] = {}
+        for k, g in enumerate(factored + dense):  # the order of the B message
+            mine, sent = own_b[k], b_rows[k]
+            diff = peer_b[k].to(mine.device) - mine  # B_j − B_i; the peer computes its exact negation
+            floor_sq += float(torch.sum((mine.double() - sent.double()) ** 2))
+            b = len(g.indices)
+            if g.factored:
+                d3 = diff.view(b, g.rank, g.n)
+                c = 0.5 * torch.bmm(bases[k], d3)  # (B, m, n) = ½ P̂ (B_j − B_i)
+                new_q = self._warm((mine + peer_b[k].to(mine.device)).view(b, g.rank, g.n), g)  # same on both
+                for j, i in enumerate(g.indices):
+                    warm[i] = new_q[j]
+            else:
+                d3 = diff.view(b, 1, g.n)
+                c = 0.5 * d3
+            for j, i in enumerate(g.indices):
+                correction[i] = c[j].reshape(shapes[i])
+                dist_sq[i] = float(torch.sum(d3[j].double() ** 2))
+
+        def commit() -> None:
+            if self._shapes is None:
+                self._shapes = shapes
+                self._q = [None] * len(shapes)
+                self._e = [None] * len(shapes)
+            for i, q in warm.items():
+                self._q[i] = q
+
+        return PairOutcome(correction, dist_sq, math.sqrt(floor_sq), commit)
+
     def _start_q(self, index: int, n: int, device: torch.device) -> torch.Tensor:
         q = self._q[index] if self._q else None
         return self._init_q(index, n, device) if q is None else q.to(device)
@@ -428,6 +552,80 @@ class LowRank(Codec):
         self._shapes = shapes
         self._q = [None if t is None else t.detach().to(torch.float32).clone() for t in q]
         self._e = [None if t is None else t.detach().to(torch.float32).clone() for t in e]
+
+
+def _top_left_singular(stacked: torch.Tensor, r: int) -> torch.Tensor:
+    """``(B, m, r)``: the top-``r`` left singular vectors of each ``(m, 2r)`` matrix of ``stacked`` (QR, then the
+    SVD of the small ``R``). Deterministic: the same input gives bit-identical output on the same build."""
+    q, rr = torch.linalg.qr(stacked)  # q: (B, m, k), rr: (B, k, 2r), k = min(m, 2r) > r
+    u, _, _ = torch.linalg.svd(rr, full_matrices=False)  # (B, k, k)
+    return torch.bmm(q, u[:, :, :r])
+
+
+class _Rows(Codec):
+    """The messages of :meth:`LowRank.pair_session`: a list of fp32 row matrices ``(R, L)`` in the codec's number
+    format (int8 with one scale per ``block`` elements of each row, bf16 or fp32), behind LowRank's header.
+
+    Frames of these messages carry LowRank's codec id; the header check rejects a peer of another configuration.
+    """
+
+    name = "lowrank"
+
+    def __init__(self, codec: LowRank):
+        self.codec_id = codec.codec_id
+        self.lowrank = codec
+        self.shuffle = codec.shuffle
+
+    def max_body_bytes(self, like):
+        lr = self.lowrank
+        nvals = sum(t.numel() for t in like)
+        if lr.quantize == "int8":
+            return _HEADER.size + nvals + 4 * sum(int8_nscales(t.shape[0], t.shape[1], lr.block) for t in like)
+        return _HEADER.size + (2 if lr.quantize == "bf16" else 4) * nvals
+
+    def encode(self, tensors, *, stateful=False):
+        wire, decoded = [], []
+        for rows in tensors:
+            parts, deq = self.lowrank._send(rows.to(torch.float32))
+            wire += list(parts)
+            decoded.append(deq)
+        return self.lowrank._pack(wire), decoded
+
+    def decode(self, body, like):
+        lr = self.lowrank
+        expected = self.max_body_bytes(like)
+        if len(body) != expected:
+            raise CodecError(f"lowrank pair message has {len(body)} bytes, expected {expected}")
+        if bytes(body[: _HEADER.size]) != lr._header():
+            raise CodecError("lowrank pair message was made with another format version, number format, rank, "
+                             f"block or min_compression than this worker's ({lr.config()})")
+        off = _HEADER.size
+        nvals = sum(t.numel() for t in like)
+        out = []
+        if lr.quantize == "int8":
+            nscales = sum(int8_nscales(t.shape[0], t.shape[1], lr.block) for t in like)
+            steps = torch.from_numpy(np.frombuffer(body, dtype="<f4", count=nscales, offset=off).copy())
+            vals = torch.from_numpy(np.frombuffer(body, dtype=np.int8, count=nvals, offset=off + 4 * nscales).copy())
+            vo = so = 0
+            for t in like:
+                rows, length = t.shape
+                ns = int8_nscales(rows, length, lr.block)
+                v = vals[vo : vo + rows * length].reshape(rows, length).to(t.device)
+                d = steps[so : so + ns].reshape(rows, ns // rows if rows else 0).to(t.device)
+                out.append(dequantize_int8(v, d, lr.block))
+                vo += rows * length
+                so += ns
+            return out
+        if lr.quantize == "bf16":
+            raw = np.frombuffer(body, dtype="<i2", count=nvals, offset=off).copy()
+            vals = torch.from_numpy(raw).view(torch.bfloat16).to(torch.float32)
+        else:
+            vals = torch.from_numpy(np.frombuffer(body, dtype="<f4", count=nvals, offset=off).copy())
+        vo = 0
+        for t in like:
+            out.append(vals[vo : vo + t.numel()].reshape(t.shape).to(t.device).contiguous())
+            vo += t.numel()
+        return out
 
 
 def _flat_bytes(parts: Sequence[torch.Tensor], dtype: torch.dtype) -> bytes:

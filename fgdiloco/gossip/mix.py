@@ -1,42 +1,58 @@
-"""One gossip mix: ``r`` rounds of pairwise (or exact) averaging of a list of tensors through a codec.
+"""One gossip mix: ``r`` gossip rounds over a list of tensors, each round one :class:`~fgdiloco.gossip.topology.Step`
+of the topology's plan (pair, group or idle), executed by one loop.
 
-Pairwise gossip (both mixes) uses the *difference* form ``x_i ← x_i + ½(q_j − q_i)``, where ``q`` is what the codec
-transmits and each side computes ``q_i`` exactly as its peer decodes it. The pair's sum is preserved exactly, so
-the average over workers (what DiLoCo would apply) is never changed by compression; the codec only limits how much
-agreement one round buys. A worker's own value is never replaced by its compressed copy: for parameters (Mix1, bf16)
-the rounding touches only the difference between replicas, and for pseudo-gradients (Mix2, e.g. low rank) each
-worker applies all of its own pseudo-gradient at once, nothing waits for a later round. The first gossip round of a
-mix encodes statefully (the codec's error feedback and warm start): over rounds, the sum of what a worker sent
-tracks the sum of its inputs, so the accumulated correction ``½ Σ (q_j − q_i)`` tracks full pairwise averaging
-(Vogels et al., PowerSGD, NeurIPS 2019, for the compressor; Koloskova et al., CHOCO-SGD, ICML 2019, for gossip of
-compressed differences). Later gossip rounds of the same mix encode with the codec's state read-only.
+**Pair** (random, exponential, ring). The codec's pair session (:meth:`fgdiloco.factor.Codec.pair_session`) runs
+on a channel to the peer and ends in a correction ``c_i`` with ``c_j = −c_i`` bit for bit: the pair's sum, hence the
+workers' average, is preserved whatever the codec drops, and the round is consensus-safe (DESIGN §3.1): the
+disagreement ``‖(I−J)X‖_F`` never grows beyond the codec's quantisation floor. Then a one-byte accept/reject each
+way: **an exchange is applied by both sides or by neither** (a frame rejected at one receiver, or a payload that
+never arrives, leaves both peers with their own values) and codec state (warm starts) is committed only when it
+was applied. Only a failure inside the final accept/reject byte itself can still split the pair's decision (one
+side got the peer's accept, the other timed out waiting for it): the two-generals window, one 1-byte round trip
+wide. A worker that skips the exchange (peer in back-off) posts a skip notice so its peer does not wait.
 
-The exact topology (``allreduce``) averages all workers at once: a lossless codec uses an all-reduce; a lossy one
-all-gathers frames and every worker takes the mean of the decoded values (the compressed all-reduce of DiLoCo with
-PowerSGD-style compression: the replicas stay identical and error feedback carries what was not sent).
+**Group** (``allreduce``). The exact average over all workers, computed identically on every worker: a lossless
+codec uses the all-reduce (Gloo's result is bit-identical on every rank); a lossy one all-gathers frames, every
+worker decodes all of them, the workers agree on which frames every one accepted (a second, tiny all-gather) and
+sum exactly those in rank order. With ``resync=True`` (Mix1 of the exact topology) the group step first compares
+an 8-byte digest of every worker's values and only averages, losslessly, when they differ: replicas split by a
+fault or started from different weights are re-synced within one round; identical replicas cost one tiny
+all-gather.
 
-A failed exchange, a rejected frame or a peer in back-off leaves the worker's row of the mixing matrix as the
-identity for that gossip round (it keeps its own value), is counted in :class:`MixResult` and logged.
+**Idle**: the worker keeps its own value.
+
+A failed, rejected, declined or skipped exchange leaves the worker's row of the mixing matrix as the identity for
+that gossip round (it keeps its own value), is counted in :class:`MixResult` and logged.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from ..factor.codec import Codec
+from ..factor.codec import Codec, CodecError, PairOutcome
 from ..factor.frame import FrameError, decode_frame, encode_frame
-from .topology import Topology
-from .transport import ExchangeError, Transport
+from .topology import GROUP, IDLE, PAIR, Topology
+from .transport import ExchangeError, PeerDeclined, Transport, call_with_deadline
 
-__all__ = ["MixResult", "Mixer", "PeerHealth"]
+__all__ = ["MixResult", "Mixer", "PeerHealth", "pair_round_in_process"]
 
 log = logging.getLogger("fgdiloco")
+
+_ABORT = b"FGDL/abort"  # sent instead of the next frame, or of the accept byte, by a side that gives up
+_ACCEPT = b"\x01"
+
+
+class _Rejected(ExchangeError):
+    """We rejected the peer's frame (or our own input), or the peer rejected ours: no one is to blame for a
+    timeout, and the peer is not put in back-off."""
 
 
 @dataclass
@@ -45,12 +61,16 @@ class MixResult:
 
     Attributes:
         values: the mixed tensors (same shapes as the input).
-        bytes_sent, bytes_received: frame bytes on the wire (headers included), summed over gossip rounds.
-        exchanges: gossip rounds in which this worker had a peer (or took part in an all-reduce).
-        failed: exchanges that failed, timed out, were rejected or skipped (peer in back-off).
-        peers: this worker's peer in each gossip round (None: no peer; -1: all-reduce).
-        consensus_distance: ``‖q(x_i) − q(x_peer)‖₂`` over all tensors (both as the codec transmits them, so equal
-            replicas give exactly 0), from the first successful exchange, or None when there was none.
+        bytes_sent, bytes_received: bytes on the wire (frames with their headers, accept bytes, digests), summed
+            over gossip rounds.
+        exchanges: gossip rounds in which this worker had a peer (or took part in a group average).
+        failed: exchanges that failed, timed out, were rejected, declined by the peer or skipped (back-off).
+        peers: this worker's peer in each gossip round (None: idle; -1: group average).
+        distance_sq: per tensor, the squared disagreement ``‖q(x_i) − q(x_peer)‖²`` of the first successful
+            exchange (as transmitted; for a group step ``2‖x_i − x̄‖²``, the same scale), or None.
+        norm_sq: per tensor, ``‖x_i‖²`` of this worker's input at that exchange, or None.
+        floor: this worker's quantisation error ``‖q(x_i) − x_i‖_F`` summed in quadrature over its exchanges.
+        resynced: a group step with ``resync`` found replicas that differed and averaged them.
         seconds: wall time of the mix.
         errors: one line per failure.
     """
@@ -61,9 +81,26 @@ class MixResult:
     exchanges: int = 0
     failed: int = 0
     peers: list[int | None] = field(default_factory=list)
-    consensus_distance: float | None = None
+    distance_sq: list[float] | None = None
+    norm_sq: list[float] | None = None
+    floor: float = 0.0
+    resynced: bool = False
     seconds: float = 0.0
     errors: list[str] = field(default_factory=list)
+
+    def distance(self, indices: Sequence[int] | None = None) -> tuple[float, float] | None:
+        """``(rms, relative)`` disagreement over the tensors ``indices`` (default all): RMS per element of
+        ``q(x_i) − q(x_peer)`` and the same relative to ``‖x_i‖`` (``‖Δx‖ / ‖x‖``), or None without an exchange.
+        Both are size-independent: comparable across models and tensor subsets."""
+        if self.distance_sq is None or self.norm_sq is None:
+            return None
+        idx = range(len(self.distance_sq)) if indices is None else indices
+        numel = sum(self.values[i].numel() for i in idx)
+        d2 = sum(self.distance_sq[i] for i in idx)
+        n2 = sum(self.norm_sq[i] for i in idx)
+        if numel == 0:
+            return None
+        return math.sqrt(d2 / numel), (math.sqrt(d2 / n2) if n2 > 0 else 0.0)
 
 
 class PeerHealth:
@@ -92,8 +129,14 @@ class PeerHealth:
             self._until.pop(peer, None)
 
 
-def _l2(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
-    return float(sum(float(torch.sum((x.float() - y.float()) ** 2)) for x, y in zip(a, b)) ** 0.5)
+def _digest(values: Sequence[torch.Tensor]) -> bytes:
+    """8 bytes that differ when any bit of ``values`` differs (CRC-32 of the fp32 bytes, plus the element count)."""
+    crc, n = 0, 0
+    for v in values:
+        a = v.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
+        crc = zlib.crc32(memoryview(a).cast("B"), crc)
+        n += a.size
+    return crc.to_bytes(4, "little") + (n % (1 << 32)).to_bytes(4, "little")
 
 
 class Mixer:
@@ -101,18 +144,21 @@ class Mixer:
 
     Args:
         name: ``"mix1"`` or ``"mix2"``: part of every exchange key, so the two mixes never meet on the wire.
-        topology: the gossip schedule.
-        transport: moves the frames.
+        topology: the gossip schedule (its :meth:`~fgdiloco.gossip.Topology.step` is the plan).
+        transport: moves the bytes.
         codec: compresses what is sent.
         rounds: gossip rounds per mix (``r1`` or ``r2``); 0 makes the mix the identity.
         fingerprint: the parameter-layout fingerprint checked in every frame.
-        timeout: seconds per exchange.
+        timeout: seconds per exchange (the whole conversation with one peer, or one collective).
         offset: added to the schedule index so that Mix1 and Mix2 of the same outer round pick different peers.
         health: shared peer back-off state.
+        resync: group steps compare digests first and average (losslessly) only replicas that differ (Mix1 of the
+            exact topology).
     """
 
     def __init__(self, name: str, topology: Topology, transport: Transport | None, codec: Codec, rounds: int,
-                 fingerprint: bytes, timeout: float, offset: int = 0, health: PeerHealth | None = None):
+                 fingerprint: bytes, timeout: float, offset: int = 0, health: PeerHealth | None = None,
+                 resync: bool = False):
         self.name = name
         self.topology = topology
         self.transport = transport
@@ -122,36 +168,51 @@ class Mixer:
         self.timeout = timeout
         self.offset = offset
         self.health = health or PeerHealth()
+        self.resync = resync
+        self._prepared: set[str] = set()
 
     def schedule_index(self, outer_round: int, k: int) -> int:
         return outer_round * self.rounds + k + self.offset
 
+    def _active(self) -> bool:
+        return self.transport is not None and self.transport.world_size > 1 and self.rounds > 0
+
     def prepare(self, outer_round: int) -> None:
-        """Let the transport set up this mix's exchanges of ``outer_round`` in the background (e.g. Mix2's pair
-        groups while the inner steps run). Peers in back-off are left out, as :meth:`run` will skip them."""
-        if self.transport is None or self.transport.world_size == 1 or self.topology.exact:
+        """Let the transport set up this mix's pair exchanges of ``outer_round`` in the background (e.g. Mix2's
+        pair groups while the inner steps run). Peers in back-off are left out; :meth:`run` declines them."""
+        if not self._active():
             return
         for k in range(self.rounds):
             idx = self.schedule_index(outer_round, k)
-            peer = self.topology.peer(self.transport.rank, idx)
-            if peer is not None and not self.health.skip(peer, outer_round):
-                self.transport.prepare(peer, key=f"{self.name}/{idx}", timeout=self.timeout)
+            step = self.topology.step(self.transport.rank, idx)
+            if step.kind == PAIR and not self.health.skip(step.peer, outer_round):
+                key = f"{self.name}/{idx}"
+                self.transport.prepare(step.peer, key=key, timeout=self.timeout)
+                self._prepared.add(key)
 
     def run(self, values: Sequence[torch.Tensor], outer_round: int) -> MixResult:
-        """Mix ``values`` in outer round ``outer_round``. The inputs are never modified in place; the result holds
-        new tensors, or the inputs themselves where nothing was exchanged."""
+        """Mix ``values`` (fp32 tensors) in outer round ``outer_round``. The inputs are never modified in place;
+        the result holds new tensors, or the inputs themselves where nothing was exchanged."""
         t0 = time.perf_counter()
         res = MixResult(values=list(values))
-        if self.transport is None or self.transport.world_size == 1 or self.rounds == 0:
+        if not self._active():
             res.seconds = time.perf_counter() - t0
             return res
+        averaged = False
+        floor_sq = 0.0
         for k in range(self.rounds):
             idx = self.schedule_index(outer_round, k)
-            first = k == 0
-            if self.topology.exact:
-                self._exact_round(res, idx, first)
+            step = self.topology.step(self.transport.rank, idx)
+            if step.kind == PAIR:
+                floor_sq += self._pair(res, step.peer, idx, outer_round) ** 2
+            elif step.kind == GROUP:
+                res.peers.append(-1)
+                if not averaged:  # the exact average is idempotent: a second group step changes nothing
+                    averaged = self._group(res, idx)
             else:
-                self._pair_round(res, idx, first, outer_round)
+                assert step.kind == IDLE
+                res.peers.append(None)
+        res.floor = math.sqrt(floor_sq)
         res.seconds = time.perf_counter() - t0
         return res
 
@@ -160,87 +221,244 @@ class Mixer:
         res.errors.append(msg)
         log.warning("fgdiloco %s: %s; keeping own value for this gossip round", self.name, msg)
 
-    def _pair_round(self, res: MixResult, idx: int, first: bool, outer_round: int) -> None:
-        rank = self.transport.rank
-        peer = self.topology.peer(rank, idx)
+    # ------------------------------------------------------------------ pair
+    def _pair(self, res: MixResult, peer: int, idx: int, outer_round: int) -> float:
         res.peers.append(peer)
-        if peer is None:
-            return
         res.exchanges += 1
-        if self.health.skip(peer, outer_round):
-            self._fail(res, f"peer {peer} skipped (back-off after failures)")
-            return
-        body, own_q = self.codec.encode(res.values, stateful=first)
-        frame = encode_frame(self.codec, body, sender=rank, round=idx, fingerprint=self.fingerprint,
-                             shuffle=self.codec.shuffle)
         key = f"{self.name}/{idx}"
+        prepared = key in self._prepared
+        self._prepared.discard(key)
+        if not prepared and self.health.skip(peer, outer_round):
+            try:
+                self.transport.decline(peer, key=key)  # the peer's open() fails at once instead of timing out
+            except Exception as err:  # noqa: BLE001 - a store we cannot reach: the peer times out as before
+                log.debug("fgdiloco %s: could not post a skip notice for %s: %s", self.name, key, err)
+            self._fail(res, f"peer {peer} skipped (back-off after failures)")
+            return 0.0
+        values = res.values
+        counts = [0, 0]  # bytes sent, received (kept even when the conversation fails midway)
         try:
-            got = self.transport.exchange(peer, frame, key=key, timeout=self.timeout)
+            outcome = call_with_deadline(lambda: self._converse(peer, key, idx, values, counts), self.timeout,
+                                         f"{self.name} exchange {key} with rank {peer}")
+        except _Rejected as e:
+            self._fail(res, str(e))
+            return 0.0
+        except PeerDeclined as e:
+            self._fail(res, str(e))
+            return 0.0
         except ExchangeError as e:
             self.health.failure(peer, outer_round)
             self._fail(res, str(e))
-            return
-        res.bytes_sent += len(frame)
-        res.bytes_received += len(got)
-        try:
-            peer_q = decode_frame(got, self.codec, res.values, fingerprint=self.fingerprint, sender=peer,
-                                  round=idx)
-        except FrameError as e:
-            self._fail(res, f"rejected frame from rank {peer}: {e}")
-            return
+            return 0.0
+        finally:
+            res.bytes_sent += counts[0]
+            res.bytes_received += counts[1]
         self.health.success(peer)
-        if res.consensus_distance is None:
-            res.consensus_distance = _l2(own_q, peer_q)  # both as sent: 0 for equal replicas
-        res.values = [v + 0.5 * (b - a) for v, a, b in zip(res.values, own_q, peer_q)]
+        if res.distance_sq is None:
+            res.distance_sq = outcome.distance_sq
+            res.norm_sq = [float(torch.sum(v.double() ** 2)) for v in values]
+        res.values = [v + c.to(device=v.device, dtype=v.dtype) for v, c in zip(values, outcome.correction)]
+        outcome.commit()
+        return outcome.floor
 
-    def _exact_round(self, res: MixResult, idx: int, first: bool) -> None:
-        res.peers.append(-1)
+    def _converse(self, peer: int, key: str, idx: int, values: Sequence[torch.Tensor],
+                  counts: list[int]) -> PairOutcome:
+        """The whole conversation with ``peer`` (runs under the exchange's deadline): the codec's messages, then
+        accept/reject. Returns the outcome only when both sides accepted."""
+        rank = self.transport.rank
+        channel = self.transport.open(peer, key=key, timeout=self.timeout)
+
+        def send(payload: bytes) -> bytes:
+            got = channel.exchange(payload)
+            counts[0] += len(payload)
+            counts[1] += len(got)
+            return got
+
+        try:
+            session = self.codec.pair_session(values, lower=rank < peer)
+            reply: list[torch.Tensor] | None = None
+            phase = 0
+            while True:
+                try:
+                    msg = next(session) if reply is None else session.send(reply)
+                except StopIteration as stop:
+                    outcome: PairOutcome = stop.value
+                    break
+                except CodecError as e:  # our own input cannot be sent (NaN/Inf): tell the peer, keep own
+                    send(_ABORT)
+                    raise _Rejected(f"own {self.name} input not sent: {e}") from e
+                tag = (idx << 2) | min(phase, 3)
+                frame = encode_frame(msg.codec, msg.body, sender=rank, round=tag, fingerprint=self.fingerprint,
+                                     shuffle=msg.codec.shuffle)
+                got = send(frame)
+                if got == _ABORT:
+                    raise _Rejected(f"rank {peer} aborted {key} (it rejected our frame or could not send)")
+                try:
+                    reply = decode_frame(got, msg.codec, msg.like, fingerprint=self.fingerprint, sender=peer,
+                                         round=tag)
+                except FrameError as e:  # the abort takes the place of our next message or of our accept byte
+                    send(_ABORT)
+                    raise _Rejected(f"rejected frame from rank {peer}: {e}") from e
+                phase += 1
+            verdict = send(_ACCEPT)
+            if verdict != _ACCEPT:
+                raise _Rejected(f"rank {peer} rejected our frame in {key}")
+            return outcome
+        finally:
+            channel.close()
+
+    # ------------------------------------------------------------------ group
+    def _group(self, res: MixResult, idx: int) -> bool:
+        """The exact average over every worker. Returns True when the values now are that average."""
         res.exchanges += 1
         m = self.transport.world_size
         key = f"{self.name}/{idx}"
-        if self.codec.lossless:
-            flat = torch.cat([v.reshape(-1).float().cpu() for v in res.values])
+        values = res.values
+        if self.resync:
+            mine = _digest(values)
             try:
-                self.transport.all_reduce_mean(flat, key=key, timeout=self.timeout)
+                digests = self.transport.all_gather(mine, key=key + "/digest", timeout=self.timeout)
             except ExchangeError as e:
                 self._fail(res, str(e))
-                return
-            nbytes = 4 * flat.numel()
-            # bytes of a ring all-reduce: 2 (M-1)/M of the buffer each way
-            res.bytes_sent += 2 * (m - 1) * nbytes // m
-            res.bytes_received += 2 * (m - 1) * nbytes // m
-            off = 0
-            out = []
-            for v in res.values:
-                out.append(flat[off : off + v.numel()].view(v.shape).to(device=v.device, dtype=v.dtype))
-                off += v.numel()
-            res.values = out
-            return
-        stateful = first
-        rank = self.transport.rank
-        body, own_q = self.codec.encode(res.values, stateful=stateful)
-        frame = encode_frame(self.codec, body, sender=rank, round=idx, fingerprint=self.fingerprint,
+                return False
+            res.bytes_sent += len(mine) * (m - 1)
+            res.bytes_received += sum(len(d) for d in digests) - len(mine)
+            if all(d == mine for d in digests):
+                res.distance_sq = [0.0] * len(values)
+                res.norm_sq = [float(torch.sum(v.double() ** 2)) for v in values]
+                return True
+            res.resynced = True
+            log.warning("fgdiloco %s: replicas differ (digests %s): averaging them exactly", self.name,
+                        sorted({d.hex() for d in digests}))
+        if self.resync or self.codec.lossless:
+            mean = self._all_reduce_mean(res, values, key)
+        else:
+            mean = self._gather_mean(res, values, key)
+        if mean is None:
+            return False
+        if res.distance_sq is None:
+            res.distance_sq = [2.0 * float(torch.sum((v.double() - mu.double()) ** 2)) for v, mu in zip(values, mean)]
+            res.norm_sq = [float(torch.sum(v.double() ** 2)) for v in values]
+        res.values = mean
+        return True
+
+    def _all_reduce_mean(self, res: MixResult, values: Sequence[torch.Tensor], key: str) -> list[torch.Tensor] | None:
+        m = self.transport.world_size
+        flat = torch.cat([v.reshape(-1).float().cpu() for v in values])
+        try:
+            self.transport.all_reduce_mean(flat, key=key, timeout=self.timeout)
+        except ExchangeError as e:
+            self._fail(res, str(e))
+            return None
+        nbytes = 4 * flat.numel()
+        # bytes of a ring all-reduce: 2 (M-1)/M of the buffer each way
+        res.bytes_sent += 2 * (m - 1) * nbytes // m
+        res.bytes_received += 2 * (m - 1) * nbytes // m
+        out, off = [], 0
+        for v in values:
+            out.append(flat[off : off + v.numel()].view(v.shape).to(device=v.device, dtype=v.dtype))
+            off += v.numel()
+        return out
+
+    def _gather_mean(self, res: MixResult, values: Sequence[torch.Tensor], key: str) -> list[torch.Tensor] | None:
+        """Lossy codec: all-gather frames, agree on the accepted set, sum it in rank order (identical everywhere);
+        the codec's error feedback is committed only when this worker's frame was part of the mean."""
+        m, rank = self.transport.world_size, self.transport.rank
+        body, own_q, commit = self.codec.encode_staged(values)
+        frame = encode_frame(self.codec, body, sender=rank, round=0, fingerprint=self.fingerprint,
                              shuffle=self.codec.shuffle)
         try:
             frames = self.transport.all_gather(frame, key=key, timeout=self.timeout)
         except ExchangeError as e:
-            if stateful:
-                res.values = own_q
             self._fail(res, str(e))
-            return
+            return None
         res.bytes_sent += len(frame) * (m - 1)
-        decoded = [own_q]
+        decoded: list[list[torch.Tensor] | None] = []
         for src, f in enumerate(frames):
             if src == rank:
+                decoded.append(own_q)
                 continue
             res.bytes_received += len(f)
             try:
-                decoded.append(decode_frame(f, self.codec, res.values, fingerprint=self.fingerprint,
-                                            sender=src, round=idx))
+                decoded.append(decode_frame(f, self.codec, values, fingerprint=self.fingerprint, sender=src, round=0))
             except FrameError as e:
+                decoded.append(None)
                 self._fail(res, f"rejected frame from rank {src}: {e}")
-        mean = [sum(ts) / len(decoded) for ts in zip(*decoded)]
-        if stateful:
-            res.values = mean
-        else:
-            res.values = [v + (mu - a) for v, mu, a in zip(res.values, mean, own_q)]
+        accepted = bytes(int(d is not None) for d in decoded)
+        try:
+            verdicts = self.transport.all_gather(accepted, key=key + "/accepted", timeout=self.timeout)
+        except ExchangeError as e:
+            self._fail(res, str(e))
+            return None
+        res.bytes_sent += m * (m - 1)
+        res.bytes_received += m * (m - 1)
+        use = [all(len(v) == m and v[src] == 1 for v in verdicts) for src in range(m)]
+        if not any(use):
+            self._fail(res, "no frame was accepted by every worker")
+            return None
+        if not use[rank]:
+            self._fail(res, "our frame was rejected by a peer: the mean of the others is applied")
+        count = sum(use)
+        mean = []
+        for t, parts in enumerate(zip(*[d if d is not None else [None] * len(values) for d in decoded])):
+            total = None
+            for src in range(m):  # fixed order: every worker sums the same numbers the same way
+                if use[src]:
+                    p = parts[src].to(device=values[t].device, dtype=torch.float32)
+                    total = p.clone() if total is None else total.add_(p)
+            mean.append((total / count).to(values[t].dtype))
+        if use[rank]:
+            commit()
+        return mean
+
+
+def pair_round_in_process(codecs: Sequence[Codec], values: Sequence[Sequence[torch.Tensor]],
+                          partner: Sequence[int | None], fingerprint: bytes = b"\0" * 8,
+                          ) -> tuple[list[list[torch.Tensor]], list[float]]:
+    """One pairwise gossip round of M workers held in one process, through the same pair sessions and the same
+    checked frames as :class:`Mixer` (no transport, no threads): for tests, simulations and benchmarks.
+
+    Args:
+        codecs: one codec instance per worker (its state, e.g. LowRank's warm starts, is committed as in a run).
+        values: per worker, its fp32 tensors (same layout on every worker); not modified.
+        partner: ``partner[i]`` is worker i's peer or None (a matching: ``partner[partner[i]] == i``).
+        fingerprint: the layout fingerprint written into and checked in every frame.
+
+    Returns:
+        ``(mixed, floors)``: per worker its new tensors, and its quantisation floor ``‖q(x_i) − x_i‖_F``.
+
+    Raises:
+        ValueError: ``partner`` is not a matching.
+    """
+    m = len(values)
+    for i, j in enumerate(partner):
+        if j is not None and (not 0 <= j < m or j == i or partner[j] != i):
+            raise ValueError(f"partner must be a matching over {m} workers, got {list(partner)}")
+    mixed = [list(v) for v in values]
+    floors = [0.0] * m
+    for i, j in enumerate(partner):
+        if j is None or j < i:
+            continue
+        sessions = {i: codecs[i].pair_session(values[i], lower=True), j: codecs[j].pair_session(values[j],
+                                                                                               lower=False)}
+        msgs = {w: next(s) for w, s in sessions.items()}
+        outcomes: dict[int, PairOutcome] = {}
+        phase = 0
+        while not outcomes:
+            frames = {w: encode_frame(msg.codec, msg.body, sender=w, round=phase, fingerprint=fingerprint,
+                                      shuffle=msg.codec.shuffle) for w, msg in msgs.items()}
+            replies = {w: decode_frame(frames[o], msgs[w].codec, msgs[w].like, fingerprint=fingerprint, sender=o,
+                                       round=phase) for w, o in ((i, j), (j, i))}
+            for w in (i, j):
+                try:
+                    msgs[w] = sessions[w].send(replies[w])
+                except StopIteration as stop:
+                    outcomes[w] = stop.value
+            phase += 1
+        if len(outcomes) != 2:
+            raise RuntimeError(f"the pair sessions of workers {i} and {j} ended after different numbers of messages")
+        for w in (i, j):
+            mixed[w] = [v + c for v, c in zip(values[w], outcomes[w].correction)]
+            floors[w] = outcomes[w].floor
+            outcomes[w].commit()
+    return mixed, floors

@@ -16,12 +16,29 @@ from __future__ import annotations
 import abc
 import math
 import random
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
 __all__ = ["Topology", "ExponentialTopology", "RandomTopology", "RingTopology", "AllReduceTopology",
-           "make_topology", "TOPOLOGIES"]
+           "make_topology", "TOPOLOGIES", "Step", "PAIR", "GROUP", "IDLE"]
+
+PAIR, GROUP, IDLE = "pair", "group", "idle"
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one worker does in one gossip round: the one plan the mixer executes (no special cases elsewhere).
+
+    Attributes:
+        kind: ``"pair"`` (mix with ``peer`` with weight ½), ``"group"`` (exact average over all workers: row of
+            ``J``) or ``"idle"`` (keep its own value: identity row).
+        peer: the peer's rank for ``"pair"``, else None.
+    """
+
+    kind: str
+    peer: int | None = None
 
 
 class Topology(abc.ABC):
@@ -46,6 +63,11 @@ class Topology(abc.ABC):
     @abc.abstractmethod
     def peer(self, rank: int, round: int) -> int | None:
         """The peer of ``rank`` in gossip round ``round`` (>= 0), or None when it keeps its own value."""
+
+    def step(self, rank: int, round: int) -> Step:
+        """The :class:`Step` of ``rank`` in gossip round ``round``: pair with :meth:`peer`, or idle."""
+        peer = self.peer(rank, round)
+        return Step(IDLE) if peer is None else Step(PAIR, peer)
 
     def mixing_matrix(self, round: int) -> torch.Tensor:
         """The M×M float64 mixing matrix of gossip round ``round``: ``x_new = W @ x`` (one row per worker)."""
@@ -90,7 +112,8 @@ class ExponentialTopology(Topology):
 
 
 class RandomTopology(Topology):
-    """A fresh uniformly random perfect matching every round, drawn from ``(seed, round)``.
+    """A fresh uniformly random perfect matching every round, drawn from ``(seed, round)`` (all 64 bits of the seed
+    count).
 
     All workers draw the same matching without talking. With M odd, one worker per round keeps its own value.
     """
@@ -105,8 +128,9 @@ class RandomTopology(Topology):
 @lru_cache(maxsize=256)
 def _random_matching(m: int, seed: int, round: int) -> tuple[int | None, ...]:
     order = list(range(m))
-    # random.Random(int) is deterministic across processes and platforms (unlike hash()).
-    random.Random((seed & 0xFFFFFFFF) << 40 ^ round).shuffle(order)
+    # random.Random(int) is deterministic across processes and platforms (unlike hash()) and uses every bit of an
+    # arbitrary-size int: seed (64 bits, two's complement) and round are packed without overlap.
+    random.Random(((seed % (1 << 64)) << 64) | round).shuffle(order)
     partner: list[int | None] = [None] * m
     for a, b in zip(order[0::2], order[1::2]):
         partner[a], partner[b] = b, a
@@ -114,10 +138,13 @@ def _random_matching(m: int, seed: int, round: int) -> tuple[int | None, ...]:
 
 
 class RingTopology(Topology):
-    """A ring gossiped one edge set at a time: even rounds pair (0,1), (2,3), ...; odd rounds (1,2), (3,4), ...
+    """A ring gossiped one matching at a time.
 
-    With M even the odd rounds include the wrap-around edge (M-1, 0); a worker left without an edge keeps its
-    value. Two consecutive rounds touch every edge of the ring once.
+    M even: even rounds pair (0,1), (2,3), ...; odd rounds (1,2), (3,4), ..., (M-1,0); two consecutive rounds touch
+    every edge once. M odd: round k pairs (s, s+1), (s+2, s+3), ... (mod M) starting at ``s = k mod M``, leaving
+    worker ``s − 1`` out; the start rotates, so every edge, the wrap-around one included, is used
+    (M − 1)/2 times in any M consecutive rounds (a plain two-colouring would never use the wrap-around edge and mix
+    like a path, about 3× slower).
     """
 
     name = "ring"
@@ -129,7 +156,7 @@ class RingTopology(Topology):
             return None
         if m == 2:
             return 1 - rank
-        shift = round % 2
+        shift = round % 2 if m % 2 == 0 else round % m
         pos = (rank - shift) % m
         # pairs (shift + 2k, shift + 2k + 1) mod m for 2k + 1 < m, i.e. pos in [0, 2*(m//2))
         if pos >= 2 * (m // 2):
@@ -147,6 +174,10 @@ class AllReduceTopology(Topology):
     def peer(self, rank: int, round: int) -> int | None:
         self._check(rank, round)
         return None
+
+    def step(self, rank: int, round: int) -> Step:
+        self._check(rank, round)
+        return Step(GROUP) if self.world_size > 1 else Step(IDLE)
 
     def mixing_matrix(self, round: int) -> torch.Tensor:
         m = self.world_size

@@ -11,6 +11,13 @@ TCPStore, about 25 ms on a FileStore), paid once per gossip round, not per inner
 Every call has a deadline: when it passes, the call raises :class:`ExchangeError` and the caller keeps its own
 value. The thread doing the exchange is a daemon and ends when Gloo's own timeout fires.
 
+A pairwise exchange is a conversation on a :class:`Channel` (:meth:`Transport.open`): the codec's messages, then a
+one-byte accept/reject from each side, so an exchange is applied by both peers or by neither
+(:mod:`fgdiloco.gossip.mix`). Before any Gloo connection is made each side posts a *hello* for the exchange in the
+store, ``go`` or ``skip``: a worker that skips an exchange (its peer is in back-off, or it has no use for it) says so
+with :meth:`Transport.decline`, and its peer's :meth:`~Transport.open` fails at once with :class:`PeerDeclined`
+instead of waiting for the timeout.
+
 Each exchange in flight talks to the store over its own connection (:class:`_StorePool` of ``Store.clone()``s):
 a store client serialises its operations, so Mix1's background exchange waiting for its peer's address would
 otherwise hold up Mix2's on the main thread, and two workers could each wait for the other (seen on a TCPStore).
@@ -31,7 +38,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-__all__ = ["Background", "ExchangeError", "Transport", "DistributedTransport", "LocalHub", "LocalTransport"]
+__all__ = ["Background", "Channel", "ExchangeError", "PeerDeclined", "Transport", "DistributedTransport", "LocalHub",
+           "LocalTransport"]
 
 T = TypeVar("T")
 MAX_PAYLOAD_BYTES = 1 << 34  # a peer announcing more than 16 GiB is rejected before allocating
@@ -39,6 +47,26 @@ MAX_PAYLOAD_BYTES = 1 << 34  # a peer announcing more than 16 GiB is rejected be
 
 class ExchangeError(RuntimeError):
     """An exchange with a peer failed or timed out; the caller keeps its own value for that round."""
+
+
+class PeerDeclined(ExchangeError):
+    """The peer posted a skip notice for this exchange (it is backing off from us, or leaving): no timeout was
+    spent, and the peer is not to blame for a failure."""
+
+
+_HELLO_GO, _HELLO_SKIP = b"go", b"skip"
+
+
+class Channel(abc.ABC):
+    """An open pairwise connection for one exchange: a sequence of :meth:`exchange` calls, in lockstep with the
+    peer's (each call sends one payload and returns the peer's payload of the same position)."""
+
+    @abc.abstractmethod
+    def exchange(self, payload: bytes) -> bytes:
+        """Send ``payload`` and return the peer's. Raises :class:`ExchangeError` when the peer is gone or late."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the connection (nothing to do by default)."""
 
 
 class Background:
@@ -111,15 +139,36 @@ class Transport(abc.ABC):
     world_size: int
 
     @abc.abstractmethod
-    def exchange(self, peer: int, payload: bytes, *, key: str, timeout: float) -> bytes:
-        """Send ``payload`` to ``peer`` and return what ``peer`` sent under the same ``key``.
+    def open(self, peer: int, *, key: str, timeout: float) -> Channel:
+        """Meet ``peer`` for the exchange ``key`` (both call it with the same key) and return the channel.
 
         Raises:
-            ExchangeError: the peer is dead, hung, or the exchange did not finish within ``timeout`` seconds.
+            PeerDeclined: the peer posted a skip notice for ``key``.
+            ExchangeError: the peer did not arrive within ``timeout`` seconds, or is dead.
         """
 
+    @abc.abstractmethod
+    def decline(self, peer: int, *, key: str) -> None:
+        """Post a skip notice for the exchange ``key`` with ``peer``: its :meth:`open` fails at once."""
+
+    def exchange(self, peer: int, payload: bytes, *, key: str, timeout: float) -> bytes:
+        """One payload each way under ``key``: :meth:`open`, one :meth:`Channel.exchange`, close, within
+        ``timeout`` seconds in all.
+
+        Raises:
+            ExchangeError: the peer is dead, hung, declined, or the exchange did not finish within ``timeout``.
+        """
+        def run() -> bytes:
+            channel = self.open(peer, key=key, timeout=timeout)
+            try:
+                return channel.exchange(payload)
+            finally:
+                channel.close()
+
+        return call_with_deadline(run, timeout, f"exchange {key} with rank {peer}")
+
     def prepare(self, peer: int, *, key: str, timeout: float) -> None:  # noqa: B027 - optional hook
-        """Optionally start setting up a later :meth:`exchange` with ``peer`` under ``key`` (default: nothing)."""
+        """Optionally start setting up a later :meth:`open` with ``peer`` under ``key`` (default: nothing)."""
 
     @abc.abstractmethod
     def all_gather(self, payload: bytes, *, key: str, timeout: float) -> list[bytes]:
@@ -178,27 +227,35 @@ class DistributedTransport(Transport):
         self._prepared: dict[tuple[int, str], Background] = {}
         self._prepared_lock = threading.Lock()
 
-    def _pair_group(self, peer: int, key: str, timeout: float, store: dist.Store) -> tuple[Any, int]:
+    def _prefix(self, peer: int, key: str) -> str:
         a, b = sorted((self.rank, peer))
-        me = 0 if self.rank == a else 1
-        prefixed = dist.PrefixStore(f"{self.namespace}/{key}/{a}-{b}", store)
-        pg = dist.ProcessGroupGloo(prefixed, me, 2, datetime.timedelta(seconds=timeout))
-        return pg, 1 - me
+        return f"{self.namespace}/{key}/{a}-{b}"
 
     def _build(self, peer: int, key: str, timeout: float) -> tuple[Any, int]:
+        """Post our hello, wait for the peer's, then build the private 2-rank Gloo group (both sides do the same)."""
         store = self._stores.acquire()
         try:
-            return self._pair_group(peer, key, timeout, store)
+            prefix = self._prefix(peer, key)
+            store.set(f"{prefix}/hello/{self.rank}", _HELLO_GO)
+            theirs = f"{prefix}/hello/{peer}"
+            try:
+                store.wait([theirs], datetime.timedelta(seconds=timeout))
+            except Exception as err:  # noqa: BLE001 - a store timeout or a closed store: the peer did not come
+                raise ExchangeError(f"rank {peer} did not arrive for {key} within {timeout:.1f} s") from err
+            if store.get(theirs) == _HELLO_SKIP:
+                raise PeerDeclined(f"rank {peer} declined {key}")
+            me = 0 if self.rank < peer else 1
+            pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), me, 2, datetime.timedelta(seconds=timeout))
+            return pg, 1 - me
         finally:  # the store is only needed for the rendezvous
             self._stores.release(store)
 
     def prepare(self, peer: int, *, key: str, timeout: float | None = None) -> None:
-        """Start building the pair group of a later ``exchange(peer, ..., key=key)`` in the background.
+        """Start meeting ``peer`` for a later ``open(peer, key=key)`` in the background (hello and Gloo pair group).
 
         Setting up a Gloo pair costs a few store round trips and TCP connects; done during the inner steps, Mix2's
         blocking exchange is left with the transfer itself. Both sides should prepare the same keys (they do: the
-        schedule is shared). A preparation that fails (peer dead, or it arrived more than ``timeout`` s later)
-        makes the exchange fall back to building its group on the spot under a fresh key.
+        schedule is shared). A preparation that failed makes :meth:`open` raise its error.
         """
         self._check_peer(peer)
         timeout = self.timeout if timeout is None else timeout
@@ -222,39 +279,29 @@ class DistributedTransport(Transport):
         if peer == self.rank or not 0 <= peer < self.world_size:
             raise ValueError(f"peer must be another rank in [0, {self.world_size}), got {peer}")
 
-    def exchange(self, peer: int, payload: bytes, *, key: str, timeout: float | None = None) -> bytes:
+    def open(self, peer: int, *, key: str, timeout: float | None = None) -> Channel:
         self._check_peer(peer)
         timeout = self.timeout if timeout is None else timeout
         with self._prepared_lock:
             prepared = self._prepared.pop((peer, key), None)
+        if prepared is not None:
+            try:
+                pg, other = prepared.result(timeout)
+            except ExchangeError:
+                raise
+            except Exception as err:  # noqa: BLE001 - every failure to meet the peer is an ExchangeError
+                raise ExchangeError(f"meeting rank {peer} for {key} failed: {type(err).__name__}: {err}") from err
+        else:
+            pg, other = self._build(peer, key, timeout)
+        return _GlooChannel(pg, other, peer, key)
 
-        def run() -> bytes:
-            group = None
-            if prepared is not None:
-                try:
-                    group = prepared.result()
-                except Exception:  # noqa: BLE001 - fall back to a fresh group under a fresh key
-                    group = self._build(peer, key + "/retry", timeout)
-            if group is None:
-                group = self._build(peer, key, timeout)
-            pg, other = group
-            n_out = torch.tensor([len(payload)], dtype=torch.int64)
-            n_in = torch.zeros(1, dtype=torch.int64)
-            # receive posted before send: send-first ran at about half the link rate on shaped links (WAN benchmark)
-            works = [pg.recv([n_in], other, 0), pg.send([n_out], other, 0)]
-            for w in works:
-                w.wait()
-            size = int(n_in.item())
-            if not 0 < size <= MAX_PAYLOAD_BYTES:
-                raise ExchangeError(f"peer announced a payload of {size} bytes")
-            buf = torch.empty(size, dtype=torch.uint8)
-            out = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-            works = [pg.recv([buf], other, 1), pg.send([out], other, 1)]
-            for w in works:
-                w.wait()
-            return buf.numpy().tobytes()
-
-        return call_with_deadline(run, timeout, f"exchange {key} with rank {peer}")
+    def decline(self, peer: int, *, key: str) -> None:
+        self._check_peer(peer)
+        store = self._stores.acquire()
+        try:
+            store.set(f"{self._prefix(peer, key)}/hello/{self.rank}", _HELLO_SKIP)
+        finally:
+            self._stores.release(store)
 
     def all_gather(self, payload: bytes, *, key: str, timeout: float | None = None) -> list[bytes]:
         timeout = self.timeout if timeout is None else timeout
@@ -294,16 +341,52 @@ class DistributedTransport(Transport):
         flat.copy_((work / self.world_size).to(device=flat.device, dtype=flat.dtype))
 
 
+class _GlooChannel(Channel):
+    """A channel on a private 2-rank Gloo group: each payload travels as its length, then its bytes."""
+
+    def __init__(self, pg: Any, other: int, peer: int, key: str):
+        self.pg, self.other, self.peer, self.key = pg, other, peer, key
+        self._tag = 0
+
+    def exchange(self, payload: bytes) -> bytes:
+        tag, self._tag = self._tag, self._tag + 2
+        n_out = torch.tensor([len(payload)], dtype=torch.int64)
+        n_in = torch.zeros(1, dtype=torch.int64)
+        try:
+            # receive posted before send: send-first ran at about half the link rate on shaped links (WAN benchmark)
+            works = [self.pg.recv([n_in], self.other, tag), self.pg.send([n_out], self.other, tag)]
+            for w in works:
+                w.wait()
+            size = int(n_in.item())
+            if not 0 < size <= MAX_PAYLOAD_BYTES:
+                raise ExchangeError(f"rank {self.peer} announced a payload of {size} bytes in {self.key}")
+            buf = torch.empty(size, dtype=torch.uint8)
+            out = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            works = [self.pg.recv([buf], self.other, tag + 1), self.pg.send([out], self.other, tag + 1)]
+            for w in works:
+                w.wait()
+        except ExchangeError:
+            raise
+        except Exception as err:  # noqa: BLE001 - Gloo raises RuntimeError for a dead or late peer
+            raise ExchangeError(f"exchange {self.key} with rank {self.peer} failed: {type(err).__name__}: "
+                                f"{err}") from err
+        return buf.numpy().tobytes()
+
+
 class LocalHub:
     """An in-process stand-in for a network: ``world_size`` workers that are threads of one process.
 
-    ``hub.transport(rank)`` gives each worker its :class:`LocalTransport`. ``delay`` (a callable taking the key and
-    returning a :class:`threading.Event` or None) lets tests hold an exchange open until they release it.
+    ``hub.transport(rank)`` gives each worker its :class:`LocalTransport`. ``gate`` (a callable taking the key and
+    returning a :class:`threading.Event` or None) lets tests hold an exchange open until they release it. ``drop``
+    (a callable ``(key, src, dst, position) -> bool``) lets tests lose one message of a conversation: it is never
+    delivered, as if the link broke in one direction. ``dead`` holds ranks that are gone.
     """
 
-    def __init__(self, world_size: int, gate: Callable[[str], threading.Event | None] | None = None):
+    def __init__(self, world_size: int, gate: Callable[[str], threading.Event | None] | None = None,
+                 drop: Callable[[str, int, int, int], bool] | None = None):
         self.world_size = world_size
         self.gate = gate
+        self.drop = drop
         self._slots: dict[tuple[str, int, int], bytes] = {}
         self._cond = threading.Condition()
         self.dead: set[int] = set()
@@ -324,6 +407,22 @@ class LocalHub:
             return self._slots.pop((key, src, dst))
 
 
+class _LocalChannel(Channel):
+    def __init__(self, transport: LocalTransport, peer: int, key: str, timeout: float):
+        self.t, self.peer, self.key, self.timeout = transport, peer, key, timeout
+        self._pos = 0
+
+    def exchange(self, payload: bytes) -> bytes:
+        hub, pos = self.t.hub, self._pos
+        self._pos += 1
+        if self.t.rank in hub.dead:
+            raise ExchangeError("this worker is marked dead")
+        slot = f"{self.key}#{pos}"
+        if not (hub.drop and hub.drop(self.key, self.t.rank, self.peer, pos)):
+            hub._put(slot, self.t.rank, self.peer, payload)
+        return hub._take(slot, self.peer, self.t.rank, self.timeout)
+
+
 class LocalTransport(Transport):
     """One worker's end of a :class:`LocalHub`."""
 
@@ -332,14 +431,19 @@ class LocalTransport(Transport):
         self.rank = rank
         self.world_size = hub.world_size
 
-    def exchange(self, peer: int, payload: bytes, *, key: str, timeout: float = 60.0) -> bytes:
+    def open(self, peer: int, *, key: str, timeout: float = 60.0) -> Channel:
         if self.rank in self.hub.dead:
             raise ExchangeError("this worker is marked dead")
         gate = self.hub.gate(key) if self.hub.gate else None
         if gate is not None and not gate.wait(timeout):
             raise ExchangeError(f"exchange {key} held past {timeout:.1f} s")
-        self.hub._put(key, self.rank, peer, payload)
-        return self.hub._take(key, peer, self.rank, timeout)
+        self.hub._put(f"{key}/hello", self.rank, peer, _HELLO_GO)
+        if self.hub._take(f"{key}/hello", peer, self.rank, timeout) == _HELLO_SKIP:
+            raise PeerDeclined(f"rank {peer} declined {key}")
+        return _LocalChannel(self, peer, key, timeout)
+
+    def decline(self, peer: int, *, key: str) -> None:
+        self.hub._put(f"{key}/hello", self.rank, peer, _HELLO_SKIP)
 
     def all_gather(self, payload: bytes, *, key: str, timeout: float = 60.0) -> list[bytes]:
         for dst in range(self.world_size):

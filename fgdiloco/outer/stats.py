@@ -26,9 +26,17 @@ class RoundStats:
         outer_seconds: time of the local outer (Nesterov) step.
         utilisation: ``inner_seconds / round_seconds``, in [0, 1].
         mix1_bytes_sent, mix1_bytes_received, mix2_bytes_sent, mix2_bytes_received: frame bytes on the wire.
-        consensus_distance: ``‖θ_i − θ_peer‖₂`` of the round-start parameters, from Mix1's exchange (None when
-            Mix1 exchanged nothing).
-        failed_exchanges: exchanges of either mix that failed, timed out, were rejected or skipped.
+        consensus_distance: disagreement of the round-start parameters with Mix1's (first) peer: RMS per element of
+            ``q(θ_i) − q(θ_peer)`` in fp32, as transmitted (so identical replicas give exactly 0; bf16 adds its
+            floor, ~2⁻⁹·|θ|). Size-independent: comparable across models. For the exact topology: 0 when the
+            digests agree, else the RMS of ``√2·(θ_i − θ̄)``. None when Mix1 exchanged nothing. Ring and
+            exponential topologies only ever see neighbours, so it tracks local agreement.
+        consensus_relative: the same as a fraction of the parameters' size, ``‖θ_i − θ_peer‖ / ‖θ_i‖``.
+        pseudo_gradient_distance, pseudo_gradient_relative: the same for Mix2's pseudo-gradients before mixing
+            (with a low-rank codec: of the part in the pair's shared basis, the part that is mixed).
+        momentum_distance: the same (RMS per element) for the outer momentum buffers when Mix1 carries them.
+        failed_exchanges: exchanges of either mix that failed, timed out, were rejected, declined or skipped.
+        resynced: the exact topology's Mix1 found replicas that differed and averaged them.
         mix1_peers, mix2_peers: the peer of each gossip round (None: no peer, -1: all-reduce).
         errors: one line per failure.
     """
@@ -48,6 +56,11 @@ class RoundStats:
     mix2_bytes_received: int
     consensus_distance: float | None
     failed_exchanges: int
+    consensus_relative: float | None = None
+    pseudo_gradient_distance: float | None = None
+    pseudo_gradient_relative: float | None = None
+    momentum_distance: float | None = None
+    resynced: bool = False
     mix1_peers: list[int | None] = field(default_factory=list)
     mix2_peers: list[int | None] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
@@ -67,6 +80,6 @@ class RoundStats:
         return d
 
     def scalars(self) -> dict[str, float]:
-        """The numeric diagnostics, for loggers (``None`` consensus distance is left out)."""
+        """The numeric diagnostics, for loggers (``None`` distances are left out)."""
         out = {k: float(v) for k, v in self.as_dict().items() if isinstance(v, (int, float)) and v is not None}
         return out

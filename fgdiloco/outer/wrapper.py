@@ -26,7 +26,7 @@ __all__ = ["FGDiLoCo"]
 
 log = logging.getLogger("fgdiloco")
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: fp32 outer momentum owned by the wrapper ("momentum"); 1: a torch.optim.SGD state
 
 # Wrappers whose next round's Mix1 may be in flight. At interpreter exit each one lets its exchange finish (both
 # peers do the same, so it ends quickly; a dead peer costs at most the timeout): a daemon thread killed inside a
@@ -67,21 +67,27 @@ class FGDiLoCo:
 
     Each worker runs its own copy of the model. Every ``sync_every`` (H) inner steps one *outer round* ends:
 
-    1. **Mix1** (non-blocking) gossips the round-start parameters ``θ_i^t`` with ``mix1_rounds`` peers. It starts at
-       the round start in a background thread and overlaps the H inner steps; it depends only on ``θ^t``, so it is
-       never stale.
+    1. **Mix1** (non-blocking) gossips the round-start parameters ``θ_i^t`` (and, with ``mix_momentum``, the outer
+       momentum buffers) with ``mix1_rounds`` peers. It starts at the round start in a background thread and
+       overlaps the H inner steps; it depends only on round-start values, so it is never stale.
     2. The inner optimizer takes H steps from the *unmixed* ``θ_i^t``; the pseudo-gradient is
        ``Δ_i = θ_i^t − θ_i``.
-    3. **Mix2** (blocking) gossips ``Δ_i`` through ``codec`` (e.g. a low-rank factorisation with error feedback)
-       over ``mix2_rounds`` gossip rounds: ``Δ̄_i``. Pairwise rounds mix in difference form,
-       ``Δ_i + ½(q(Δ_j) − q(Δ_i))``: the workers' average is exactly preserved whatever the codec drops (see
-       :mod:`fgdiloco.gossip.mix`). Its pair connections are set up in the background at round start.
-    4. Wait for Mix1: ``θ̄_i``. The local outer step (SGD with Nesterov momentum, momentum kept per worker) gives
-       ``θ_i^{t+1} = θ̄_i − outer_lr · Nesterov(Δ̄_i)``. The inner optimizer's state is kept across rounds.
+    3. **Mix2** (blocking) gossips ``Δ_i`` through ``codec`` over ``mix2_rounds`` gossip rounds: ``Δ̄_i``. Every
+       pairwise round is consensus-safe: the pair's sum (hence the workers' average) is preserved and the
+       disagreement never grows beyond the codec's quantisation floor, for every codec (the low-rank codec
+       projects both peers onto one basis they agree on; see :mod:`fgdiloco.gossip.mix` and
+       :class:`~fgdiloco.factor.LowRank`); an exchange is applied by both peers or by neither. Its pair
+       connections are set up in the background at round start.
+    4. Wait for Mix1: ``θ̄_i``. The local outer step (SGD with Nesterov momentum) gives
+       ``θ_i^{t+1} = θ̄_i − outer_lr · Nesterov(Δ̄_i)``. The round-start parameters and the momentum are kept as
+       fp32 master copies, also for bf16/fp16 models. The inner optimizer's state is kept across rounds.
 
     With ``topology="allreduce"`` both mixes are the exact average and this is DiLoCo (Douillard et al., arXiv
-    2311.08105); Mix1 is then skipped because exact rounds keep the replicas identical. ``mix2_rounds=0`` makes
-    synchronisation fully non-blocking; more Mix2 rounds tighten agreement at the price of blocking time.
+    2311.08105): every worker computes a bit-identical mean, and Mix1 becomes a cheap check (an 8-byte digest of
+    parameters and momentum per worker) that re-syncs replicas that differ for any reason (different initial
+    weights without ``broadcast_init``, a frame one worker rejected) by averaging them exactly: they are identical
+    again one round later. ``mix2_rounds=0`` makes synchronisation fully non-blocking; more Mix2 rounds tighten
+    agreement at the price of blocking time.
 
     Use it like any optimizer::
 
@@ -97,8 +103,11 @@ class FGDiLoCo:
     Tuning: raise ``sync_every`` until the inner steps of one round take longer than Mix1 takes on your network
     (utilisation in :attr:`last_round` near 1); ``outer_lr`` 0.7 with momentum 0.9 and Nesterov is DiLoCo's
     setting for long runs (hundreds of rounds); with few rounds, lower momentum (the example job uses 0.3) avoids
-    overshooting. If ``last_round.consensus_distance`` keeps growing, add Mix2 rounds or use the exponential
-    topology. Wrap evaluation between steps in :meth:`paused` to keep it out of ``utilisation``.
+    overshooting. Local outer momentum amplifies each worker's own pull by about ``1/(1 − momentum)``;
+    ``mix_momentum=True`` (default) gossips the momentum buffers in Mix1 as well, which keeps them from drifting
+    apart (measured in ``benchmarks/consensus.py``) at twice Mix1's bytes, which stay hidden behind the inner
+    steps while they fit in the round. If ``last_round.consensus_relative`` keeps growing, add Mix2 rounds or use
+    the exponential topology. Wrap evaluation between steps in :meth:`paused` to keep it out of ``utilisation``.
 
     Args:
         model: the worker's model. Its trainable parameters (``requires_grad``) are synchronised.
@@ -112,11 +121,15 @@ class FGDiLoCo:
         mix1_rounds: gossip rounds of Mix1 per outer round (int >= 0).
         mix2_rounds: gossip rounds of Mix2 per outer round (int >= 0).
         codec: Mix2's codec (name or :class:`~fgdiloco.factor.Codec`); default lossless ``"dense"`` fp32.
-        mix1_codec: Mix1's codec; default ``"bf16"``: parameters are mixed in difference form, so bf16 rounding
-            touches only the difference between replicas and halves Mix1's bytes (see
-            :class:`~fgdiloco.factor.BF16`).
+        mix1_codec: Mix1's codec: a stateless value codec (``"dense"``, ``"bf16"``, ``"int8"`` or a Codec with
+            ``stateful = False``); default ``"bf16"``, half of dense's bytes. Parameters are mixed in difference
+            form, so the rounding never touches a replica's own value, but it sets a floor under the replicas'
+            disagreement after a Mix1 round: about ``2⁻⁹·|θ|`` per element for bf16 (half a bf16 step, 2⁻⁸
+            relative, on each side), half an int8 step of each block's absmax for int8; ``"dense"`` is lossless.
+        mix_momentum: gossip the outer momentum buffers in Mix1 together with the parameters (same codec, twice
+            the bytes).
         timeout: seconds each exchange may take before it counts as failed (the worker keeps its own value).
-        seed: seed of random gossip schedules (must be equal on all workers).
+        seed: seed of random gossip schedules (any int; all 64 bits count; must be equal on all workers).
         broadcast_init: copy rank 0's parameters and buffers to every worker at construction.
         process_group: the ``torch.distributed`` group of the workers (default: the default group when
             ``torch.distributed`` is initialised; a single worker otherwise).
@@ -125,8 +138,8 @@ class FGDiLoCo:
 
     Raises:
         TypeError: an argument of the wrong type.
-        ValueError: an argument out of range (the message names it and what is allowed), or an inner optimizer
-            that does not hold all of the model's trainable parameters.
+        ValueError: an argument out of range (the message names it and what is allowed), a stateful
+            ``mix1_codec``, or an inner optimizer that does not hold all of the model's trainable parameters.
 
     Construction is collective over the process group: every worker must construct it.
     """
@@ -145,6 +158,7 @@ class FGDiLoCo:
         mix2_rounds: int = 1,
         codec: Codec | str | None = None,
         mix1_codec: Codec | str | None = None,
+        mix_momentum: bool = True,
         timeout: float = 60.0,
         seed: int = 0,
         broadcast_init: bool = True,
@@ -158,7 +172,7 @@ class FGDiLoCo:
         checked = self.check_arguments(
             sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
             topology=topology, mix1_rounds=mix1_rounds, mix2_rounds=mix2_rounds, codec=codec, mix1_codec=mix1_codec,
-            timeout=timeout, seed=seed)
+            mix_momentum=mix_momentum, timeout=timeout, seed=seed)
         self.sync_every: int = checked["sync_every"]
         self.outer_lr: float = checked["outer_lr"]
         self.outer_momentum: float = checked["outer_momentum"]
@@ -169,6 +183,7 @@ class FGDiLoCo:
         self.seed: int = checked["seed"]
         self.codec: Codec = checked["codec"]
         self.mix1_codec: Codec = checked["mix1_codec"]
+        self.mix_momentum: bool = checked["mix_momentum"]
 
         self.model = model
         self.inner_optimizer = inner_optimizer
@@ -199,16 +214,14 @@ class FGDiLoCo:
         self.topology = make_topology(topology, self.world_size, seed)
         topo2 = topology if isinstance(topology, Topology) else make_topology(name, self.world_size, seed + 1)
         health = PeerHealth()
-        self._mixer1 = Mixer("mix1", self.topology, transport, self.mix1_codec,
-                             0 if self.topology.exact else self.mix1_rounds, self.fingerprint,
-                             self.timeout, offset=0, health=health)
+        self._mixer1 = Mixer("mix1", self.topology, transport, self.mix1_codec, self.mix1_rounds, self.fingerprint,
+                             self.timeout, offset=0, health=health, resync=True)
         self._mixer2 = Mixer("mix2", topo2, transport, self.codec, self.mix2_rounds, self.fingerprint,
                              self.timeout, offset=1, health=health)
 
-        with torch.no_grad():
-            self._anchor = [p.detach().clone() for p in self.params]
-        self.outer_optimizer = torch.optim.SGD(self._anchor, lr=self.outer_lr, momentum=self.outer_momentum,
-                                               nesterov=self.nesterov)
+        with torch.no_grad():  # fp32 master copies: the outer step of a bf16 model runs in fp32
+            self._theta0 = [p.detach().to(torch.float32, copy=True) for p in self.params]
+            self._momentum = [torch.zeros_like(t) for t in self._theta0]
         self._round = 0
         self._steps_in_round = 0
         self._mix1: Background | None = None
@@ -223,7 +236,8 @@ class FGDiLoCo:
     @staticmethod
     def check_arguments(*, sync_every: int, outer_lr: float, outer_momentum: float, nesterov: bool,
                         topology: str | Topology, mix1_rounds: int, mix2_rounds: int, codec: Codec | str | None,
-                        mix1_codec: Codec | str | None, timeout: float, seed: int) -> dict[str, Any]:
+                        mix1_codec: Codec | str | None, mix_momentum: bool, timeout: float,
+                        seed: int) -> dict[str, Any]:
         """Check the constructor's scalar arguments without building anything (no model, no communication).
 
         Every argument is required: the defaults live in the constructor (and in integrations' own signatures).
@@ -245,13 +259,20 @@ class FGDiLoCo:
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
         if not isinstance(nesterov, bool):
             raise TypeError(f"nesterov must be a bool, got {type(nesterov).__name__}")
+        if not isinstance(mix_momentum, bool):
+            raise TypeError(f"mix_momentum must be a bool, got {type(mix_momentum).__name__}")
         out["seed"] = seed
+        out["mix_momentum"] = mix_momentum
         out["nesterov"] = bool(nesterov) and out["outer_momentum"] > 0
         if not isinstance(topology, Topology):
             make_topology(topology, 1)  # unknown names and wrong types raise here, before any communication
         out["topology"] = topology
         out["codec"] = resolve_codec(codec, default="dense", argument="codec")
         out["mix1_codec"] = resolve_codec(mix1_codec, default="bf16", argument="mix1_codec")
+        if out["mix1_codec"].stateful:
+            raise ValueError(f"mix1_codec={out['mix1_codec']!r} keeps per-worker state (warm starts or error "
+                             "feedback), which is not safe for parameters; use a stateless value codec: 'dense' "
+                             "(lossless), 'bf16' (default) or 'int8'")
         if out["codec"] is out["mix1_codec"]:
             raise ValueError("codec and mix1_codec must be different Codec instances: a codec keeps per-tensor "
                              "state (error feedback, warm start) and the two mixes run in different threads")
@@ -300,9 +321,16 @@ class FGDiLoCo:
             self._paused_seconds += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ the round state machine
+    def _mix1_values(self) -> list[torch.Tensor]:
+        """What Mix1 moves: the round-start parameters, then (``mix_momentum``) the outer momentum buffers."""
+        values = [t.clone() for t in self._theta0]
+        if self.mix_momentum:
+            values += [m.clone() for m in self._momentum]
+        return values
+
     def _start_round(self) -> None:
-        """Round start: Mix1 of the round-start parameters in the background, and Mix2's exchanges set up."""
-        values, outer_round = [a.detach().clone() for a in self._anchor], self._round
+        """Round start: Mix1 of the round-start values in the background, and Mix2's exchanges set up."""
+        values, outer_round = self._mix1_values(), self._round
         self._mix1 = Background(lambda: self._run_mix1(values, outer_round), f"mix1-{outer_round}")
         self._mixer2.prepare(self._round)
 
@@ -322,6 +350,21 @@ class FGDiLoCo:
             self.sync()
 
     @torch.no_grad()
+    def _outer_step(self, theta: list[torch.Tensor], delta: list[torch.Tensor],
+                    momentum: list[torch.Tensor]) -> None:
+        """``m ← μ·m + Δ̄``; ``θ ← θ̄ − η·(Δ̄ + μ·m)`` (Nesterov) or ``θ̄ − η·m``: ``torch.optim.SGD``'s rule (no
+        dampening), on the fp32 masters."""
+        mu, lr = self.outer_momentum, self.outer_lr
+        for k, (t, d, m) in enumerate(zip(theta, delta, momentum)):
+            if mu > 0:
+                m = m.mul(mu).add_(d)
+                step = d.add(m, alpha=mu) if self.nesterov else m
+                self._momentum[k] = m
+            else:
+                step = d
+            self._theta0[k] = t.sub(step, alpha=lr)
+
+    @torch.no_grad()
     def sync(self) -> RoundStats:
         """End the current outer round now (Mix2, wait for Mix1, outer step) and start the next one.
 
@@ -333,23 +376,29 @@ class FGDiLoCo:
             self._start_round()
         if self._round_t0 is None:
             self._round_t0 = t_sync
-        delta = [a - p.detach() for a, p in zip(self._anchor, self.params)]
+        if self.topology.exact:
+            # Group steps of both mixes use the same collective group: Mix1's (tiny digest check) must be done
+            # before Mix2's starts, on every worker, or the collectives of the two threads could interleave.
+            self._mix1.result()
+        delta = [t - p.detach().to(torch.float32) for t, p in zip(self._theta0, self.params)]
         mix2 = self._mixer2.run(delta, self._round)
         t_mix2 = time.perf_counter()
         mix1 = self._mix1.result()
         t_mix1 = time.perf_counter()
-        for a, theta, d in zip(self._anchor, mix1.values, mix2.values):
-            a.copy_(theta)
-            a.grad = d.to(dtype=a.dtype, device=a.device)
-        self.outer_optimizer.step()
-        for a, p in zip(self._anchor, self.params):
-            p.copy_(a)
-            a.grad = None
+        n = len(self.params)
+        theta = mix1.values[:n]
+        momentum = mix1.values[n:] if self.mix_momentum else self._momentum
+        self._outer_step(theta, mix2.values, momentum)
+        for t, p in zip(self._theta0, self.params):
+            p.copy_(t)
         t_end = time.perf_counter()
 
         round_seconds = t_end - self._round_t0 - self._paused_seconds
         blocked = t_end - t_sync
         inner_seconds = max(round_seconds - blocked, 0.0)
+        cons = mix1.distance(range(n))
+        cons_m = mix1.distance(range(n, 2 * n)) if self.mix_momentum else None
+        cons_d = mix2.distance()
         stats = RoundStats(
             round=self._round,
             inner_steps=self._steps_in_round,
@@ -364,8 +413,13 @@ class FGDiLoCo:
             mix1_bytes_received=mix1.bytes_received,
             mix2_bytes_sent=mix2.bytes_sent,
             mix2_bytes_received=mix2.bytes_received,
-            consensus_distance=mix1.consensus_distance,
+            consensus_distance=cons[0] if cons else None,
+            consensus_relative=cons[1] if cons else None,
+            pseudo_gradient_distance=cons_d[0] if cons_d else None,
+            pseudo_gradient_relative=cons_d[1] if cons_d else None,
+            momentum_distance=cons_m[0] if cons_m else None,
             failed_exchanges=mix1.failed + mix2.failed,
+            resynced=mix1.resynced,
             mix1_peers=mix1.peers,
             mix2_peers=mix2.peers,
             errors=mix1.errors + mix2.errors,
@@ -382,13 +436,13 @@ class FGDiLoCo:
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue the same trajectory, except the model's weights (save
-        ``model.state_dict()`` beside it, as with any optimizer): inner optimizer state, outer momentum, the
-        round-start snapshot, round and step counters, schedule seed and topology, codec states."""
+        ``model.state_dict()`` beside it, as with any optimizer): inner optimizer state, fp32 outer momentum, the
+        fp32 round-start parameters, round and step counters, schedule seed and topology, codec states."""
         return {
             "version": STATE_VERSION,
             "inner": self.inner_optimizer.state_dict(),
-            "outer": self.outer_optimizer.state_dict(),
-            "anchor": [a.detach().clone() for a in self._anchor],
+            "momentum": [m.detach().clone() for m in self._momentum],
+            "anchor": [t.detach().clone() for t in self._theta0],
             "round": self._round,
             "steps_in_round": self._steps_in_round,
             "sync_every": self.sync_every,
@@ -404,11 +458,13 @@ class FGDiLoCo:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`. Call it on every worker before the first step of the resumed run.
 
+        A version-1 state (outer momentum as a ``torch.optim.SGD`` state) is converted.
+
         Raises:
             ValueError: a state of another version, model layout, codec or seed.
         """
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-            raise ValueError(f"not an FGDiLoCo state dict of version {STATE_VERSION}")
+        if not isinstance(state, dict) or state.get("version") not in (1, STATE_VERSION):
+            raise ValueError(f"not an FGDiLoCo state dict of version 1 or {STATE_VERSION}")
         if state["fingerprint"] != self.fingerprint:
             raise ValueError("state dict was saved for another model layout (parameter names, shapes or dtypes)")
         for key, codec in (("codec", self.codec), ("mix1_codec", self.mix1_codec)):
@@ -418,14 +474,21 @@ class FGDiLoCo:
         if state["seed"] != self.seed:
             raise ValueError(f"state dict was saved with seed={state['seed']}, this run uses seed={self.seed}; "
                              "the gossip schedule would change")
+        if state["version"] == 1:
+            per = state["outer"]["state"]
+            momentum = [per.get(i, {}).get("momentum_buffer") for i in range(len(self.params))]
+            momentum = [torch.zeros_like(t) if m is None else m for m, t in zip(momentum, self._theta0)]
+        else:
+            momentum = state["momentum"]
         if self._mix1 is not None:  # a Mix1 of the pre-load round may be in flight: let it end, then drop it
             self._mix1.result()
             self._mix1 = None
         self.inner_optimizer.load_state_dict(state["inner"])
         with torch.no_grad():
-            for a, saved in zip(self._anchor, state["anchor"]):
-                a.copy_(saved)
-        self.outer_optimizer.load_state_dict(state["outer"])
+            self._theta0 = [saved.detach().to(device=t.device, dtype=torch.float32, copy=True)
+                            for t, saved in zip(self._theta0, state["anchor"])]
+            self._momentum = [saved.detach().to(device=t.device, dtype=torch.float32, copy=True)
+                              for t, saved in zip(self._theta0, momentum)]
         self._round = int(state["round"])
         self._steps_in_round = int(state["steps_in_round"])
         self._round_t0 = None
@@ -452,4 +515,5 @@ class FGDiLoCo:
         return (f"FGDiLoCo(sync_every={self.sync_every}, outer_lr={self.outer_lr}, "
                 f"outer_momentum={self.outer_momentum}, nesterov={self.nesterov}, topology={self.topology.name!r}, "
                 f"mix1_rounds={self.mix1_rounds}, mix2_rounds={self.mix2_rounds}, codec={self.codec!r}, "
-                f"mix1_codec={self.mix1_codec!r}, world_size={self.world_size}, rank={self.rank})")
+                f"mix1_codec={self.mix1_codec!r}, mix_momentum={self.mix_momentum}, world_size={self.world_size}, "
+                f"rank={self.rank})")
