@@ -92,3 +92,58 @@ def diloco_reference(
                 new.append(mixed_theta[k][i] - outer_lr * (d + outer_momentum * buf))
             theta[i] = new
     return theta
+
+
+def gossip_reference(
+    init: list[dict[str, torch.Tensor]],
+    rounds: int,
+    sync_every: int,
+    w1: Callable[[int], list[torch.Tensor]],
+    w2: Callable[[int], list[torch.Tensor]],
+    *,
+    outer_lr: float = 0.7,
+    outer_momentum: float = 0.9,
+    mix_momentum: bool = True,
+) -> list[list[torch.Tensor]]:
+    """FG-DiLoCo written with mixing matrices, in float32: X^{t+1} = W1 X^t − η·Nesterov(W2 Δ^t), where
+    ``w1(t)`` / ``w2(t)`` give the M×M matrices of outer round t's gossip rounds (applied in order) and, with
+    ``mix_momentum``, the momentum buffers are mixed by W1 as well. Parameters of every worker after ``rounds``."""
+    m = len(init)
+    models, inners = [], []
+    for sd in init:
+        model = make_model()
+        model.load_state_dict(sd)
+        models.append(model)
+        inners.append(torch.optim.AdamW(model.parameters(), lr=INNER_LR))
+    n = len(list(models[0].parameters()))
+    theta = [torch.stack([list(mdl.parameters())[k].detach().clone() for mdl in models]) for k in range(n)]
+    bufs = [torch.zeros_like(t) for t in theta]
+
+    def apply(ws: list[torch.Tensor], stacked: torch.Tensor) -> torch.Tensor:
+        flat = stacked.reshape(m, -1)
+        for w in ws:
+            flat = w.to(torch.float32) @ flat
+        return flat.reshape(stacked.shape)
+
+    step = 0
+    for t in range(rounds):
+        deltas = [torch.zeros_like(x) for x in theta]
+        for i, (mdl, opt) in enumerate(zip(models, inners)):
+            with torch.no_grad():
+                for p, x in zip(mdl.parameters(), theta):
+                    p.copy_(x[i])
+            for s in range(sync_every):
+                loss_of(mdl, i, step + s).backward()
+                opt.step()
+                opt.zero_grad()
+            for k, p in enumerate(mdl.parameters()):
+                deltas[k][i] = theta[k][i] - p.detach()
+        step += sync_every
+        ws1, ws2 = w1(t), w2(t)
+        mixed_theta = [apply(ws1, x) for x in theta]
+        mixed_bufs = [apply(ws1, b) for b in bufs] if mix_momentum else bufs
+        mixed_delta = [apply(ws2, d) for d in deltas]
+        for k in range(n):
+            bufs[k] = mixed_bufs[k] * outer_momentum + mixed_delta[k]
+            theta[k] = mixed_theta[k] - outer_lr * (mixed_delta[k] + outer_momentum * bufs[k])
+    return [[x[i] for x in theta] for i in range(m)]

@@ -98,6 +98,33 @@ def test_ring_touches_every_edge_in_two_rounds():
     assert edges == {frozenset((i, (i + 1) % m)) for i in range(m)}
 
 
+@pytest.mark.parametrize("m", [3, 5, 7, 9])
+def test_ring_with_odd_m_uses_every_edge_including_the_wrap_around(m):
+    topo = make_topology("ring", m)
+    ring = {frozenset((i, (i + 1) % m)) for i in range(m)}
+    counts = dict.fromkeys(ring, 0)
+    for r in range(m):
+        for i in range(m):
+            j = topo.peer(i, r)
+            if j is not None and i < j:
+                counts[frozenset((i, j))] += 1
+    assert set(counts) == ring  # never an edge outside the ring
+    assert all(c == (m - 1) // 2 for c in counts.values()), counts  # every edge, equally often
+    # the ring mixes like a ring, not a path: 3m rounds bring the disagreement far below a path's
+    x = torch.eye(m, dtype=torch.float64)
+    for r in range(3 * m):
+        x = topo.mixing_matrix(r) @ x
+    assert float((x - 1.0 / m).abs().max()) < 0.25
+
+
+def test_random_matchings_use_all_64_bits_of_the_seed():
+    a, b = make_topology("random", 16, 1), make_topology("random", 16, 1 + (1 << 40))
+    assert [a.peer(0, r) for r in range(20)] != [b.peer(0, r) for r in range(20)]
+    c = make_topology("random", 16, -1)  # negative seeds are seeds too (two's complement)
+    assert [c.peer(0, r) for r in range(20)] == [make_topology("random", 16, (1 << 64) - 1).peer(0, r)
+                                                  for r in range(20)]
+
+
 def test_make_topology_rejects_unknown_names_and_types():
     with pytest.raises(ValueError, match="topology='star'.*allreduce.*exponential.*random.*ring"):
         make_topology("star", 4)

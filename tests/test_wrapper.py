@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from fgdiloco import BF16, FGDiLoCo, LocalHub
+from fgdiloco import BF16, FGDiLoCo, LocalHub, LowRank
 from fgdiloco.outer.stats import RoundStats
 from tests.distributed import run_ranks
 from tests.reference import INNER_LR, diloco_reference, loss_of, make_model
@@ -183,6 +183,9 @@ def _new(**kwargs):
         ({"seed": "x"}, TypeError, r"seed must be an int"),
         ({"nesterov": "yes"}, TypeError, r"nesterov must be a bool"),
         ({"codec": (shared := BF16()), "mix1_codec": shared}, ValueError, r"must be different Codec instances"),
+        ({"mix1_codec": "lowrank"}, ValueError, r"mix1_codec=LowRank\(.*per-worker state.*'dense'.*'bf16'.*'int8'"),
+        ({"mix1_codec": LowRank(rank=2, error_feedback=False)}, ValueError, r"mix1_codec=.*not safe for parameters"),
+        ({"mix_momentum": 1}, TypeError, r"mix_momentum must be a bool"),
     ],
 )
 def test_bad_arguments_raise_naming_the_argument(kwargs, exc, match):
@@ -296,3 +299,52 @@ def test_time_in_paused_is_left_out_of_the_round_clock():
     after_paused, after_unpaused = rounds[1], rounds[2]
     assert after_paused.round_seconds < 0.2 and after_paused.inner_seconds < 0.2
     assert after_unpaused.round_seconds >= 0.3 and after_unpaused.inner_seconds >= 0.3
+
+
+def test_outer_state_is_fp32_for_a_bf16_model():
+    """A bf16 model's round-start parameters and outer momentum are fp32 master copies: an outer update smaller
+    than bf16's resolution is kept, not rounded away."""
+    model = make_model().to(torch.bfloat16)
+    opt = FGDiLoCo(model, torch.optim.SGD(model.parameters(), lr=1.0), sync_every=1, outer_lr=1e-4,
+                   outer_momentum=0.0)
+    before = [t.clone() for t in opt._theta0]
+    x, y = torch.randn(16, 6), torch.randn(16, 1)
+    ((model(x.bfloat16()) - y.bfloat16()) ** 2).mean().backward()
+    opt.step()
+    state = opt.state_dict()
+    assert all(t.dtype == torch.float32 for t in state["anchor"] + state["momentum"])
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    moved = [float((a - b).abs().max()) for a, b in zip(opt._theta0, before)]
+    assert max(moved) > 0  # the fp32 master moved by outer_lr·Δ, far below bf16's step at these magnitudes
+    # ... and many of those moves are below bf16's resolution: a bf16 outer step would have lost them
+    lost = sum(int(((a != b) & (a.bfloat16() == b.bfloat16())).sum()) for a, b in zip(opt._theta0, before))
+    assert lost > 0
+
+
+def test_consensus_distance_is_the_rms_per_element_and_relative_to_the_parameters():
+    """Two workers whose parameters differ by exactly c in every element: consensus_distance == c whatever the
+    model size, consensus_relative == c·√numel / ‖θ‖."""
+    hub = LocalHub(2)
+    out: list = [None, None]
+    c = 0.25
+
+    def work(rank: int) -> None:
+        model = make_model(seed=0)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(1.0 + c * rank)
+        opt = FGDiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.0), sync_every=1, mix1_codec="dense",
+                       transport=hub.transport(rank), topology="random", timeout=10.0)
+        loss_of(model, rank, 0).backward()
+        opt.step()
+        out[rank] = opt.last_round
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for rank, s in enumerate(out):
+        assert s.consensus_distance == pytest.approx(c, rel=1e-6)
+        assert s.consensus_relative == pytest.approx(c / (1.0 + c * rank), rel=1e-6)
+        assert s.momentum_distance == 0.0

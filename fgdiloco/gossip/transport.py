@@ -137,6 +137,7 @@ class Transport(abc.ABC):
 
     rank: int
     world_size: int
+    timeout: float = 60.0  # seconds, for calls that give none
 
     @abc.abstractmethod
     def open(self, peer: int, *, key: str, timeout: float) -> Channel:
@@ -151,13 +152,15 @@ class Transport(abc.ABC):
     def decline(self, peer: int, *, key: str) -> None:
         """Post a skip notice for the exchange ``key`` with ``peer``: its :meth:`open` fails at once."""
 
-    def exchange(self, peer: int, payload: bytes, *, key: str, timeout: float) -> bytes:
+    def exchange(self, peer: int, payload: bytes, *, key: str, timeout: float | None = None) -> bytes:
         """One payload each way under ``key``: :meth:`open`, one :meth:`Channel.exchange`, close, within
-        ``timeout`` seconds in all.
+        ``timeout`` seconds in all (default: :attr:`timeout`).
 
         Raises:
             ExchangeError: the peer is dead, hung, declined, or the exchange did not finish within ``timeout``.
         """
+        timeout = self.timeout if timeout is None else timeout
+
         def run() -> bytes:
             channel = self.open(peer, key=key, timeout=timeout)
             try:

@@ -321,10 +321,15 @@ class FGDiLoCo:
             self._paused_seconds += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ the round state machine
+    @property
+    def _momentum_in_mix1(self) -> bool:
+        # the exact topology's Mix1 is a digest check: momentum costs nothing there and is re-synced with the rest
+        return self.mix_momentum or self.topology.exact
+
     def _mix1_values(self) -> list[torch.Tensor]:
         """What Mix1 moves: the round-start parameters, then (``mix_momentum``) the outer momentum buffers."""
         values = [t.clone() for t in self._theta0]
-        if self.mix_momentum:
+        if self._momentum_in_mix1:
             values += [m.clone() for m in self._momentum]
         return values
 
@@ -387,7 +392,7 @@ class FGDiLoCo:
         t_mix1 = time.perf_counter()
         n = len(self.params)
         theta = mix1.values[:n]
-        momentum = mix1.values[n:] if self.mix_momentum else self._momentum
+        momentum = mix1.values[n:] if self._momentum_in_mix1 else self._momentum
         self._outer_step(theta, mix2.values, momentum)
         for t, p in zip(self._theta0, self.params):
             p.copy_(t)
@@ -397,7 +402,7 @@ class FGDiLoCo:
         blocked = t_end - t_sync
         inner_seconds = max(round_seconds - blocked, 0.0)
         cons = mix1.distance(range(n))
-        cons_m = mix1.distance(range(n, 2 * n)) if self.mix_momentum else None
+        cons_m = mix1.distance(range(n, 2 * n)) if self._momentum_in_mix1 else None
         cons_d = mix2.distance()
         stats = RoundStats(
             round=self._round,
