@@ -34,9 +34,9 @@ def _gossip_train(rank: int, world: int, rounds: int, mix_momentum: bool) -> lis
 
 def test_random_gossip_equals_the_mixing_matrix_reference_in_float32(tmp_path):
     rounds, m, seed = 6, 4, 7
+    t1, t2 = make_topology("random", m, seed), make_topology("random", m, seed + 1)
     for mix_momentum in (True, False):
         got = run_ranks(_gossip_train, m, tmp_path, rounds, mix_momentum)
-        t1, t2 = make_topology("random", m, seed), make_topology("random", m, seed + 1)
         want = gossip_reference([make_model(seed=r).state_dict() for r in range(m)], rounds, H,
                                 w1=lambda t: [t1.mixing_matrix(t)], w2=lambda t: [t2.mixing_matrix(t + 1)],
                                 mix_momentum=mix_momentum)
