@@ -5,7 +5,9 @@ Run from the repository root::
     python -m benchmarks.compression                 # bytes + speed, then one `fgdiloco pretrain` run per codec
     python -m benchmarks.compression --no-train      # bytes + speed only (about a minute)
 
-1. **Bytes and speed.** The default ``fgdiloco pretrain`` GPT on the bundled corpus takes ``--rounds`` rounds of
+1. **Bytes and speed.** ("Mix2 bytes": the exact path's one frame; "pairwise": all frames one worker sends in a
+   pairwise exchange, for LowRank the two messages of its pair-agreed projection plus the accept byte.) The
+   default ``fgdiloco pretrain`` GPT on the bundled corpus takes ``--rounds`` rounds of
    ``sync_every`` AdamW steps on one worker; each round's pseudo-gradient Δ (all parameters) is encoded by every
    codec in turn, each codec keeping its own state across rounds (warm start, error feedback), and framed exactly
    as Mix2 sends it (48-byte header, zstd level 1). Reported per codec: Mix2 frame bytes per exchange (median over
@@ -26,6 +28,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -71,6 +74,31 @@ def pseudo_gradients(cfg: TrainConfig, rounds: int) -> tuple[list[list[torch.Ten
             opt.zero_grad()
         out.append([s - p.detach() for s, (_, p) in zip(start, named)])
     return out, [(n, p.shape, p.dtype) for n, p in named]
+
+
+def pair_bytes(make: Callable[[], Codec], deltas: list[list[torch.Tensor]], fingerprint: bytes) -> float:
+    """Median bytes one worker sends in a *pairwise* Mix2 exchange (all the frames of its pair session, e.g. the
+    two messages of the low-rank pair-agreed projection, plus the accept byte), consecutive pseudo-gradients
+    standing in for the two peers."""
+    a, b = make(), make()
+    sizes = []
+    for k in range(len(deltas) - 1):
+        sessions = [a.pair_session(deltas[k], lower=True), b.pair_session(deltas[k + 1], lower=False)]
+        msgs = [next(s) for s in sessions]
+        sent, phase = 0, 0
+        while True:
+            frames = [encode_frame(m.codec, m.body, sender=w, round=phase, fingerprint=fingerprint,
+                                   shuffle=m.codec.shuffle) for w, m in enumerate(msgs)]
+            sent += len(frames[0])
+            replies = [decode_frame(frames[1 - w], msgs[w].codec, msgs[w].like, fingerprint=fingerprint)
+                       for w in range(2)]
+            try:
+                msgs = [s.send(r) for s, r in zip(sessions, replies)]
+            except StopIteration:
+                break
+            phase += 1
+        sizes.append(sent + 1)
+    return statistics.median(sizes)
 
 
 def measure_codec(codec: Codec, deltas: list[list[torch.Tensor]], fingerprint: bytes) -> dict:
@@ -127,11 +155,15 @@ def main(argv: list[str] | None = None) -> dict:
     deltas, layout = pseudo_gradients(base, args.rounds)
     fp = layout_fingerprint(layout)
     rows: dict[str, dict] = {}
-    print(f"{'codec':<22} {'Mix2 bytes':>11} {'vs fp32':>8} {'rel.err':>8} {'MB/s':>7}")
+    print(f"{'codec':<22} {'Mix2 bytes':>11} {'vs fp32':>8} {'pairwise':>9} {'vs fp32':>8} {'rel.err':>8} "
+          f"{'MB/s':>7}")
     for name in args.variants:
         rows[name] = measure_codec(VARIANTS[name][0](), deltas, fp)
         r = rows[name]
+        r["pairwise_bytes_per_exchange"] = pair_bytes(VARIANTS[name][0], deltas, fp)
+        r["pairwise_ratio_to_dense_fp32"] = 4 * r["elements"] / r["pairwise_bytes_per_exchange"]
         print(f"{name:<22} {r['mix2_bytes_per_exchange']:>11,.0f} {r['ratio_to_dense_fp32']:>7.1f}x "
+              f"{r['pairwise_bytes_per_exchange']:>9,.0f} {r['pairwise_ratio_to_dense_fp32']:>7.1f}x "
               f"{r['relative_error']:>8.3f} {r['encode_decode_MBps']:>7.0f}")
 
     if not args.no_train:

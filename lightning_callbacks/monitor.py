@@ -13,7 +13,8 @@ __all__ = ["GossipMonitor", "LightningGossipMonitor", "ConsensusGrowthWarning", 
 
 
 class ConsensusGrowthWarning(UserWarning):
-    """The replicas' consensus distance grew for several outer rounds in a row."""
+    """The replicas' relative consensus distance (``RoundStats.consensus_relative``: ``‖θ_i − θ_peer‖ / ‖θ_i‖``)
+    grew for several outer rounds in a row."""
 
 
 class ConsensusGrowthTracker:
@@ -61,7 +62,7 @@ class ConsensusGrowthTracker:
 
 
 # what the progress bar shows by default: RoundStats field -> progress-bar name
-DEFAULT_PROG_BAR = {"utilisation": "util", "consensus_distance": "cdist"}
+DEFAULT_PROG_BAR = {"utilisation": "util", "consensus_relative": "cdist"}
 
 
 class _GossipMonitorMixin:
@@ -89,21 +90,20 @@ class _GossipMonitorMixin:
     def metrics(self, stats: RoundStats, failed_total: int | None = None) -> dict[str, float]:
         """The logged values of one round: every numeric :class:`RoundStats` field, ``bytes_sent`` /
         ``bytes_received`` (both mixes) and ``failed_exchanges_total``, each under ``prefix``. ``consensus_distance``
-        is left out when the round had no Mix1 exchange."""
+        and the other distances are left out when the round had no exchange to measure them."""
         out = {f"{self.prefix}{k}": v for k, v in stats.scalars().items()}
-        if stats.consensus_distance is None:
-            out.pop(f"{self.prefix}consensus_distance", None)
         if failed_total is not None:
             out[f"{self.prefix}failed_exchanges_total"] = float(failed_total)
         return out
 
     def observe(self, stats: RoundStats, *, rank: int = 0) -> bool:
         """Feed one finished round to the growth check; warns (once) and returns True when it fires."""
-        fired = self.tracker.update(stats.consensus_distance)
+        fired = self.tracker.update(stats.consensus_relative)
         if fired and self.warn:
             warnings.warn(
-                f"fgdiloco: the consensus distance of rank {rank} grew for {self.tracker.patience} consecutive outer "
-                f"rounds (now {stats.consensus_distance:.4g} at round {stats.round}); the replicas are drifting "
+                f"fgdiloco: the relative consensus distance of rank {rank} grew for {self.tracker.patience} "
+                f"consecutive outer rounds (now {stats.consensus_relative:.4g} of the parameters' norm at round "
+                f"{stats.round}); the replicas are drifting "
                 "apart. Consider more mix2_rounds, a smaller sync_every or outer_lr, or topology='exponential'.",
                 ConsensusGrowthWarning, stacklevel=2)
         return fired
@@ -152,14 +152,16 @@ _CLASS_DOC = """Logs the diagnostics of every finished outer round of :class:`~l
       rank 0, so they show rank 0's replica), under ``prefix`` (default ``"gossip/"``): ``round``,
       ``inner_steps``, ``round_seconds``, ``inner_seconds``, ``mix2_seconds``, ``mix1_wait_seconds``,
       ``mix1_seconds``, ``outer_seconds``, ``utilisation``, ``mix1_bytes_sent``, ``mix1_bytes_received``,
-      ``mix2_bytes_sent``, ``mix2_bytes_received``, ``bytes_sent``, ``bytes_received``, ``consensus_distance``
-      (absent in rounds without a Mix1 exchange, e.g. topology ``"allreduce"``), ``failed_exchanges`` and
-      ``failed_exchanges_total``. Times in seconds, sizes in bytes (see :class:`fgdiloco.RoundStats`);
-    * shows the ``prog_bar`` fields in the progress bar (default ``util`` = utilisation, ``cdist`` = consensus
-      distance);
+      ``mix2_bytes_sent``, ``mix2_bytes_received``, ``bytes_sent``, ``bytes_received``, the size-independent
+      distances ``consensus_distance`` (RMS per element), ``consensus_relative`` (fraction of ‖θ‖),
+      ``pseudo_gradient_distance``, ``pseudo_gradient_relative``, ``momentum_distance`` (each absent in rounds
+      without an exchange to measure it), ``failed_exchanges`` and ``failed_exchanges_total``. Times in
+      seconds, sizes in bytes (see :class:`fgdiloco.RoundStats`);
+    * shows the ``prog_bar`` fields in the progress bar (default ``util`` = utilisation, ``cdist`` = relative
+      consensus distance);
     * appends the values (plus ``global_step``) to :attr:`history` on every rank (rank-local, never reduced);
-    * warns once (:class:`ConsensusGrowthWarning`, on the rank where it happens) when the consensus distance grew
-      for ``growth_patience`` consecutive rounds.
+    * warns once (:class:`ConsensusGrowthWarning`, on the rank where it happens) when the relative consensus
+      distance grew for ``growth_patience`` consecutive rounds.
 
     Nothing is synchronised between ranks (no ``sync_dist``), so the monitor never makes replicas wait.
 

@@ -93,6 +93,7 @@ class _FGDiLoCoStrategyMixin:
         mix2_rounds: int = 1,
         codec: Any = None,
         mix1_codec: Any = None,
+        mix_momentum: bool = True,
         timeout: float = 60.0,
         seed: int = 0,
         broadcast_init: bool = True,
@@ -114,7 +115,7 @@ class _FGDiLoCoStrategyMixin:
             raise TypeError(f"broadcast_init must be a bool, got {type(broadcast_init).__name__}")
         knobs = dict(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
                      topology=topology, mix1_rounds=mix1_rounds, mix2_rounds=mix2_rounds, codec=codec,
-                     mix1_codec=mix1_codec, timeout=timeout, seed=seed)
+                     mix1_codec=mix1_codec, mix_momentum=mix_momentum, timeout=timeout, seed=seed)
         FGDiLoCo.check_arguments(**knobs)  # fail when the strategy is built, with FGDiLoCo's own messages
         super().__init__(  # type: ignore[call-arg]
             accelerator=accelerator,
@@ -333,7 +334,7 @@ if _pl is not None:
 
         Args:
             sync_every, outer_lr, outer_momentum, nesterov, topology, mix1_rounds, mix2_rounds, codec, mix1_codec,
-                timeout, seed, broadcast_init: as in :class:`fgdiloco.FGDiLoCo` (same defaults, except
+                mix_momentum, timeout, seed, broadcast_init: as in :class:`fgdiloco.FGDiLoCo` (same defaults, except
                 ``sync_every=50``); ``timeout`` is the gossip exchange timeout in seconds. All ranks of the job
                 gossip (the default process group).
             accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,

@@ -129,7 +129,8 @@ def _stats(round_: int, distance: float | None) -> RoundStats:
     return RoundStats(round=round_, inner_steps=4, round_seconds=1.0, inner_seconds=0.9, mix2_seconds=0.05,
                       mix1_wait_seconds=0.0, mix1_seconds=0.3, outer_seconds=0.05, utilisation=0.9,
                       mix1_bytes_sent=100, mix1_bytes_received=100, mix2_bytes_sent=50, mix2_bytes_received=50,
-                      consensus_distance=distance, failed_exchanges=0)
+                      consensus_distance=None if distance is None else distance / 10, failed_exchanges=0,
+                      consensus_relative=distance)
 
 
 def test_consensus_growth_warns_once_after_patience():
