@@ -113,12 +113,16 @@ def test_an_activation_codec_compresses_both_directions_and_autograd_runs_throug
 
 
 # ------------------------------------------------------------------ faults
+def split3(model: nn.Sequential) -> list[nn.Module]:
+    return [model[0], model[1], model[2]]
+
+
 def _fault(rank: int, world: int, kind: str, timeout: float) -> dict:
-    mesh = ReplicaMesh(1, 2, timeout=timeout)
-    stage = split_mlp(make_model(seed=0))[mesh.stage]
+    mesh = ReplicaMesh(1, world, timeout=timeout)
+    stage = (split_mlp if world == 2 else split3)(make_model(seed=0))[mesh.stage]
     pipe = Pipeline(stage, mesh, F.mse_loss, M, "1f1b")
     for step in range(6):
-        if rank == 1 and step == 3:
+        if rank == world - 1 and step == 3:
             if kind == "dead":
                 os._exit(0)
             os.kill(os.getpid(), signal.SIGSTOP)
@@ -149,6 +153,18 @@ def test_a_dead_or_hung_stage_makes_its_neighbour_raise_naming_it_within_the_tim
     else:
         assert timeout - 0.1 < r["seconds"] < timeout + 1.5
     assert r["again"].startswith("this pipeline is broken by an earlier failure")
+
+
+@pytest.mark.parametrize("kind", ["dead", "hung"])
+def test_in_three_stages_every_stage_names_the_rank_lost_first(tmp_path, kind):
+    timeout = 2.0
+    res = run_ranks(_fault, 3, tmp_path, kind, timeout, allow_missing=(2,), timeout=60)
+    for r in res[:2]:  # the stage next to the lost one and the stage beyond it alike
+        assert r["step"] == 3 and r["rank"] == 2
+        assert ": rank 2 (stage 2 of replica 0) is dead, hung or stopped" in r["error"]
+        # a stage whose neighbour is alive but stuck waiting learns of it when its own transfer times out (Gloo
+        # closes nothing before the process exits), then waits up to min(timeout, 2 s) for announcements
+        assert r["seconds"] < timeout + min(timeout, 2.0) + 1.5
 
 
 def _model_error(rank: int, world: int) -> dict:

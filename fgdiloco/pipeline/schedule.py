@@ -14,6 +14,8 @@ schedule over the replica's pipeline group. The training loop is the same on eve
 
 from __future__ import annotations
 
+import datetime
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -36,12 +38,14 @@ class PipelineError(RuntimeError):
     """A stage-to-stage transfer failed: a stage of this replica is dead, hung or stopped.
 
     Attributes:
-        rank: global rank of the stage that did not answer (None when it cannot be told apart).
+        ranks: global ranks of this replica's stages that are gone (dead, hung or stopped).
+        rank: the first of them.
     """
 
-    def __init__(self, message: str, rank: int | None):
+    def __init__(self, message: str, ranks: list[int]):
         super().__init__(message)
-        self.rank = rank
+        self.ranks = list(ranks)
+        self.rank = self.ranks[0] if self.ranks else None
 
 
 @dataclass
@@ -83,48 +87,35 @@ def _nbytes(ops: list[dist.P2POp]) -> int:
 
 
 class _Stage(PipelineStage):
-    """A ``PipelineStage`` that counts what it sends and receives, times its compute and remembers the peers of its
-    latest transfers (to name the one that failed)."""
+    """A ``PipelineStage`` that counts what it sends and receives and times its compute."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.reset_counters()
         self.compute_failed = False
-        self.last_recv_peer: int | None = None
-        self.last_peer: int | None = None
 
     def reset_counters(self) -> None:
         self.fwd_bytes = self.bwd_bytes = self.recv_bytes = 0
         self.compute_seconds = 0.0
 
-    def _note(self, ops: list[dist.P2POp], recv: bool) -> None:
-        if ops:
-            self.last_peer = ops[-1].peer
-            if recv:
-                self.last_recv_peer = ops[-1].peer
-
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
         ops = super().get_fwd_recv_ops(fwd_chunk_id)
         self.recv_bytes += _nbytes(ops)
-        self._note(ops, recv=True)
         return ops
 
     def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
         ops = super().get_bwd_recv_ops(bwd_chunk_id)
         self.recv_bytes += _nbytes(ops)
-        self._note(ops, recv=True)
         return ops
 
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
         ops = super().get_fwd_send_ops(fwd_chunk_id)
         self.fwd_bytes += _nbytes(ops)
-        self._note(ops, recv=False)
         return ops
 
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
         ops = super().get_bwd_send_ops(bwd_chunk_id)
         self.bwd_bytes += _nbytes(ops)
-        self._note(ops, recv=False)
         return ops
 
     def _timed(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -162,8 +153,11 @@ class Pipeline:
     naming the neighbour's rank, and this pipeline cannot be used again (its group's connections are closed). Other
     replicas are not affected: their pipelines use other groups, and gossip with this replica's ranks fails and is
     counted like any failed exchange. Errors raised by the model itself (forward, backward, loss) propagate
-    unchanged. In a pipeline of more than two stages, the stages beyond a broken neighbour stop in turn when that
-    neighbour exits, each naming the neighbour it lost.
+    unchanged. In a pipeline of more than two stages every stage of the replica stops, each naming the ranks that
+    are gone: the failing stages announce themselves in the job's store and wait up to ``min(timeout, 2 s)`` for
+    each other. A stage whose neighbour is alive but stuck in a transfer with the lost rank learns of the loss only
+    when its own transfer times out (a Gloo group closes its connections only when the process exits), so every
+    stage stops within about ``timeout + min(timeout, 2 s)``.
 
     Args:
         stage_module: this rank's stage (e.g. one of :meth:`fgdiloco.pretrain.GPT.split`); on the first stage it
@@ -232,6 +226,10 @@ class Pipeline:
                                              scale_grads=False)
         self._neighbours = [mesh.rank_of(mesh.replica, s) for s in (mesh.stage - 1, mesh.stage + 1)
                             if 0 <= s < mesh.stages]
+        # a run nonce for the store keys of failure reports (a reused store's old keys can never match)
+        nonce = torch.tensor([secrets.randbits(62) if self.is_first else 0], dtype=torch.int64, device=self.device)
+        dist.broadcast(nonce, src=mesh.stage_ranks()[0], group=mesh.pipeline_group)
+        self._namespace = f"fgdiloco/pipeline/{int(nonce.item()):x}"
         self._broken: PipelineError | None = None
         self.last_step: PipelineStats | None = None
         self.activation_bytes_sent_total = 0
@@ -254,7 +252,7 @@ class Pipeline:
 
     def _check_batch(self, inputs: Any, target: Any) -> tuple[tuple[Any, ...], Any]:
         if self._broken is not None:
-            raise PipelineError(f"this pipeline is broken by an earlier failure: {self._broken}", self._broken.rank)
+            raise PipelineError(f"this pipeline is broken by an earlier failure: {self._broken}", self._broken.ranks)
         args: tuple[Any, ...] = ()
         if self.is_first:
             if inputs is None:
@@ -272,19 +270,47 @@ class Pipeline:
                              f"{tuple(target.shape) if isinstance(target, torch.Tensor) else target!r}")
         return args, (target if self.is_last else None)
 
-    def _failure(self, err: Exception) -> PipelineError:
-        peer = self._stage.last_recv_peer if self._stage.last_recv_peer is not None else self._stage.last_peer
-        if len(self._neighbours) == 1:
-            peer = self._neighbours[0]
+    def _missing_ranks(self) -> list[int]:
+        """The stages of this replica that are gone, told apart from those that are alive but failed with us.
+
+        Gloo's error names an address, not a rank, and one failed pair fails every pending transfer of the rank
+        in that group, so which transfer failed says little in a pipeline of more than two stages. Instead every
+        stage that fails announces itself in the job's store, then waits (at most ``min(timeout, 2 s)`` in all)
+        for the others' announcements: the stages that never announce are the dead or hung ones. With two stages
+        the neighbour is the only candidate and nothing is waited for.
+        """
         m = self.mesh
-        if peer is None:
-            who = f"rank {' or rank '.join(map(str, self._neighbours))}"
-        else:
-            who = f"rank {peer} (stage {peer % m.stages} of replica {m.replica})"
-        msg = (f"pipeline transfer of replica {m.replica} failed on rank {m.rank} (stage {m.stage}): {who} is dead, "
-               f"hung or stopped (no answer within the mesh timeout of {m.timeout:g} s, or its connection closed); "
-               f"this replica cannot continue. Cause: {type(err).__name__}: {str(err)[:300]}")
-        self._broken = PipelineError(msg, peer)
+        others = [r for r in m.stage_ranks() if r != m.rank]
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.set(f"{self._namespace}/failed/{m.rank}", "1")
+            if len(others) == 1:
+                return others
+            deadline = time.monotonic() + min(self.timeout, 2.0)
+            missing = []
+            for r in others:
+                key = f"{self._namespace}/failed/{r}"
+                left = deadline - time.monotonic()
+                try:
+                    if left > 0:
+                        store.wait([key], datetime.timedelta(seconds=left))
+                    elif not store.check([key]):
+                        missing.append(r)
+                except Exception:  # noqa: BLE001 - the wait timed out: r never announced itself
+                    missing.append(r)
+            return missing
+        except Exception:  # noqa: BLE001 - the store went with a dead rank: fall back to the neighbours
+            return self._neighbours
+
+    def _failure(self, err: Exception) -> PipelineError:
+        m = self.mesh
+        missing = self._missing_ranks() or self._neighbours
+        who = ", ".join(f"rank {r} (stage {r % m.stages} of replica {m.replica})" for r in missing)
+        msg = (f"pipeline transfer of replica {m.replica} failed on rank {m.rank} (stage {m.stage}): {who} "
+               f"{'is' if len(missing) == 1 else 'are'} dead, hung or stopped (no answer within the mesh timeout "
+               f"of {m.timeout:g} s, or its connection closed); this replica cannot continue. "
+               f"Cause: {type(err).__name__}: {str(err)[:300]}")
+        self._broken = PipelineError(msg, missing)
         return self._broken
 
     def _run(self, call: Callable[[], Any]) -> None:
