@@ -14,7 +14,6 @@ schedule over the replica's pipeline group. The training loop is the same on eve
 
 from __future__ import annotations
 
-import datetime
 import secrets
 import time
 from collections.abc import Callable
@@ -153,11 +152,10 @@ class Pipeline:
     naming the neighbour's rank, and this pipeline cannot be used again (its group's connections are closed). Other
     replicas are not affected: their pipelines use other groups, and gossip with this replica's ranks fails and is
     counted like any failed exchange. Errors raised by the model itself (forward, backward, loss) propagate
-    unchanged. In a pipeline of more than two stages every stage of the replica stops, each naming the ranks that
-    are gone: the failing stages announce themselves in the job's store and wait up to ``min(timeout, 2 s)`` for
-    each other. A stage whose neighbour is alive but stuck in a transfer with the lost rank learns of the loss only
-    when its own transfer times out (a Gloo group closes its connections only when the process exits), so every
-    stage stops within about ``timeout + min(timeout, 2 s)``.
+    unchanged. In a pipeline of more than two stages every stage of the replica stops, each naming the rank that
+    is gone: the failing stages announce themselves in the job's store and wait for each other. A stage whose
+    neighbour is alive but stuck in a transfer with the lost rank fails only when its own transfer times out, so
+    there every stage stops within about ``timeout``, even for a dead rank.
 
     Args:
         stage_module: this rank's stage (e.g. one of :meth:`fgdiloco.pretrain.GPT.split`); on the first stage it
@@ -275,30 +273,32 @@ class Pipeline:
 
         Gloo's error names an address, not a rank, and one failed pair fails every pending transfer of the rank
         in that group, so which transfer failed says little in a pipeline of more than two stages. Instead every
-        stage that fails announces itself in the job's store, then waits (at most ``min(timeout, 2 s)`` in all)
-        for the others' announcements: the stages that never announce are the dead or hung ones. With two stages
-        the neighbour is the only candidate and nothing is waited for.
+        stage that fails announces itself (with the time) in the job's store and waits for the others'
+        announcements until at most one other stage is silent: that one is lost. A living stage stuck in a
+        transfer with a living neighbour announces when its own transfer times out, so this takes up to about
+        ``timeout``. Should two or more stay silent (several lost at once), they are all named once
+        ``timeout + min(timeout, 2 s)`` has passed since the first announcement. With two stages the neighbour
+        is the only candidate and nothing is waited for.
         """
         m = self.mesh
         others = [r for r in m.stage_ranks() if r != m.rank]
+        key = f"{self._namespace}/failed/{{}}".format
         try:
             store = dist.distributed_c10d._get_default_store()
-            store.set(f"{self._namespace}/failed/{m.rank}", "1")
+            store.set(key(m.rank), repr(time.time()))
             if len(others) == 1:
                 return others
-            deadline = time.monotonic() + min(self.timeout, 2.0)
-            missing = []
-            for r in others:
-                key = f"{self._namespace}/failed/{r}"
-                left = deadline - time.monotonic()
-                try:
-                    if left > 0:
-                        store.wait([key], datetime.timedelta(seconds=left))
-                    elif not store.check([key]):
-                        missing.append(r)
-                except Exception:  # noqa: BLE001 - the wait timed out: r never announced itself
-                    missing.append(r)
-            return missing
+            deadline = None
+            while True:  # polls the store; runs only on the way to raising, never in training
+                silent = [r for r in others if not store.check([key(r)])]
+                if len(silent) <= 1:
+                    return silent
+                if deadline is None:
+                    first = min(float(store.get(key(r))) for r in [m.rank, *others] if r not in silent)
+                    deadline = first + self.timeout + min(self.timeout, 2.0)
+                if time.time() >= deadline:
+                    return silent
+                time.sleep(0.05)
         except Exception:  # noqa: BLE001 - the store went with a dead rank: fall back to the neighbours
             return self._neighbours
 
