@@ -33,7 +33,14 @@ def _layout(rank: int, world: int) -> dict:
     torch.manual_seed(rank)
     layer = nn.Linear(4, 4)
     opt = FGDiLoCo(layer, torch.optim.SGD(layer.parameters(), lr=0.1), sync_every=2, mesh=mesh)
+    try:
+        FGDiLoCo(layer, torch.optim.SGD(layer.parameters(), lr=0.1), sync_every=2, mesh=mesh,
+                 process_group=dist.group.WORLD)
+        both = "no error"
+    except ValueError as e:
+        both = str(e)
     return {
+        "both": both,
         "coords": (mesh.replica, mesh.stage), "replicas": mesh.replicas, "stages": mesh.stages,
         "pipeline": dist.get_process_group_ranks(mesh.pipeline_group),
         "gossip": dist.get_process_group_ranks(mesh.gossip_group),
@@ -58,6 +65,7 @@ def test_mesh_groups_coordinates_and_stage_fingerprints(tmp_path):
         assert r["sums"] == (2 * stage + 2, 4 * replica + 1)
         assert r["gossip_world"] == (replica, 2)
         assert f"replica={replica}, stage={stage}" in r["repr"]
+        assert r["both"] == "pass either mesh (gossip over mesh.gossip_group) or process_group, not both"
         # broadcast_init copied replica 0's stage, within the stage only
         torch.testing.assert_close(r["weight"], res[stage]["weight"], rtol=0, atol=0)
     assert not torch.equal(res[0]["weight"], res[1]["weight"])
