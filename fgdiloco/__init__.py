@@ -7,6 +7,7 @@ pseudo-gradients (Mix2), followed by a local Nesterov outer step (Hewa Koneputug
 
 from .factor import BF16, Codec, Dense, FrameError, Int8, LowRank, decode_frame, encode_frame, layout_fingerprint
 from .gossip import DistributedTransport, ExchangeError, LocalHub, Topology, Transport, make_topology
+from .mesh import ReplicaMesh
 from .outer import FGDiLoCo, RoundStats
 
 __version__ = "0.1.0"
@@ -22,6 +23,7 @@ __all__ = [
     "Int8",
     "LocalHub",
     "LowRank",
+    "ReplicaMesh",
     "RoundStats",
     "Topology",
     "Transport",

@@ -200,13 +200,21 @@ class DistributedTransport(Transport):
         timeout: default per-exchange timeout in seconds.
         exact: also build a Gloo group over all members for the exact-average topology (collective: every member
             must construct the transport).
+        collective_group: an already-built Gloo group over the same ranks as ``process_group`` to run the exact
+            topology's collectives on, instead of building one with ``new_group`` (e.g.
+            :attr:`fgdiloco.ReplicaMesh.gossip_group`). Needed when several transports are built over different
+            groups (one per pipeline stage): ``new_group`` is collective over the whole default group, so calling it
+            for one's own stage only fails to connect.
 
     Construction is collective over ``process_group`` (a broadcast of a run nonce, so stale keys in a reused store
     can never match, and optionally a ``new_group``).
+
+    Raises:
+        ValueError: a ``collective_group`` over other ranks than ``process_group``, or not on Gloo.
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, *, timeout: float = 60.0,
-                 exact: bool = False):
+                 exact: bool = False, collective_group: dist.ProcessGroup | None = None):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: call init_process_group (or use torchrun) "
                                "before building a DistributedTransport")
@@ -215,6 +223,12 @@ class DistributedTransport(Transport):
         self.world_size = dist.get_world_size(self.group)
         self.global_ranks = dist.get_process_group_ranks(self.group)
         self.timeout = float(timeout)
+        if collective_group is not None:
+            if dist.get_process_group_ranks(collective_group) != self.global_ranks:
+                raise ValueError("collective_group must hold the same ranks as process_group, in the same order")
+            if dist.get_backend(collective_group) != "gloo":
+                raise ValueError(f"collective_group must be a Gloo group, got backend "
+                                 f"{dist.get_backend(collective_group)!r}")
         self._stores = _StorePool(dist.distributed_c10d._get_default_store())
         nonce = torch.tensor([secrets.randbits(62) if self.rank == 0 else 0], dtype=torch.int64)
         backend = dist.get_backend(self.group)
@@ -222,8 +236,8 @@ class DistributedTransport(Transport):
             nonce = nonce.cuda()
         dist.broadcast(nonce, src=self.global_ranks[0], group=self.group)
         self.namespace = f"fgdiloco/{int(nonce.item()):x}"
-        self._coll = None
-        if exact and self.world_size > 1:
+        self._coll = collective_group
+        if exact and self.world_size > 1 and collective_group is None:
             self._coll = dist.new_group(self.global_ranks, backend="gloo",
                                         timeout=datetime.timedelta(seconds=self.timeout))
         self._coll_lock = threading.Lock()

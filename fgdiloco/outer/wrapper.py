@@ -20,6 +20,7 @@ from ..factor.frame import layout_fingerprint
 from ..gossip.mix import Mixer, MixResult, PeerHealth
 from ..gossip.topology import Topology, make_topology
 from ..gossip.transport import Background, DistributedTransport, Transport
+from ..mesh import ReplicaMesh
 from .stats import RoundStats
 
 __all__ = ["FGDiLoCo"]
@@ -135,6 +136,12 @@ class FGDiLoCo:
             ``torch.distributed`` is initialised; a single worker otherwise).
         transport: a custom :class:`~fgdiloco.gossip.Transport` (tests, other networks); overrides
             ``process_group`` and disables ``broadcast_init``.
+        mesh: a :class:`~fgdiloco.ReplicaMesh` when ``model`` is one pipeline stage (e.g. driven by
+            :class:`fgdiloco.pipeline.Pipeline`): gossip then runs among the same stage of the other replicas only
+            (over ``mesh.gossip_group``; the topology pairs every stage of a replica with the same peer replica,
+            since all stages derive it from the same seed), ``broadcast_init`` copies the first replica's stage,
+            and the frame fingerprint includes the stage index, so a frame of another stage is rejected even when
+            two stages have the same layout. Exclusive with ``process_group``.
 
     Raises:
         TypeError: an argument of the wrong type.
@@ -164,6 +171,7 @@ class FGDiLoCo:
         broadcast_init: bool = True,
         process_group: dist.ProcessGroup | None = None,
         transport: Transport | None = None,
+        mesh: ReplicaMesh | None = None,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -198,14 +206,27 @@ class FGDiLoCo:
                              f"({shown}); build it from model.parameters()")
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
-        self.fingerprint = layout_fingerprint((n, p.shape, p.dtype) for n, p in named)
+        layout = [(n, p.shape, p.dtype) for n, p in named]
+        if mesh is not None:
+            if not isinstance(mesh, ReplicaMesh):
+                raise TypeError(f"mesh must be a fgdiloco.ReplicaMesh or None, got {type(mesh).__name__}")
+            if process_group is not None:
+                raise ValueError("pass either mesh (gossip over mesh.gossip_group) or process_group, not both")
+            layout.insert(0, (f"<pipeline stage {mesh.stage} of {mesh.stages}>", (), "stage"))
+        self.mesh = mesh
+        self.fingerprint = layout_fingerprint(layout)
 
         # Who the workers are.
         name = topology.name if isinstance(topology, Topology) else topology
         self._owns_transport = transport is None
-        if transport is None and (process_group is not None or (dist.is_available() and dist.is_initialized())):
+        if transport is None and (process_group is not None or mesh is not None
+                                  or (dist.is_available() and dist.is_initialized())):
             exact = make_topology(name, 1).exact if isinstance(topology, str) else topology.exact
-            transport = DistributedTransport(process_group, timeout=self.timeout, exact=exact)
+            if mesh is not None:  # the mesh built the stage's group: no new_group here (collective over all)
+                transport = DistributedTransport(mesh.gossip_group, timeout=self.timeout, exact=exact,
+                                                 collective_group=mesh.gossip_group)
+            else:
+                transport = DistributedTransport(process_group, timeout=self.timeout, exact=exact)
             if broadcast_init:
                 self._broadcast_from_rank0(transport)
         self.transport = transport

@@ -1,6 +1,7 @@
 """Pretraining a small GPT on real text: the model, the data pipeline and the distributed job.
 
-* :mod:`fgdiloco.pretrain.model`: ``GPTConfig``, ``GPT`` (nanoGPT-style decoder).
+* :mod:`fgdiloco.pretrain.model`: ``GPTConfig``, ``GPT`` (nanoGPT-style decoder; ``GPT.split`` into pipeline
+  stages ``GPTStage``, with ``lm_loss``).
 * :mod:`fgdiloco.pretrain.data`: ``load_text``, ``build_tokenizer``, ``encode_corpus``, ``split_tokens``,
   ``sample_batch``, ``unigram_loss``; a public-domain default corpus ships in ``corpus/``.
 * :mod:`fgdiloco.pretrain.worker`: ``TrainConfig``, ``train_worker`` (one rank), ``launch`` (local workers via
@@ -8,16 +9,18 @@
 """
 
 from .data import build_tokenizer, encode_corpus, load_text, sample_batch, split_tokens, unigram_loss
-from .model import GPT, GPTConfig
+from .model import GPT, GPTConfig, GPTStage, lm_loss
 from .worker import TrainConfig, launch, train_worker
 
 __all__ = [
     "GPT",
     "GPTConfig",
+    "GPTStage",
     "TrainConfig",
     "build_tokenizer",
     "encode_corpus",
     "launch",
+    "lm_loss",
     "load_text",
     "sample_batch",
     "split_tokens",

@@ -7,6 +7,7 @@ learned position embeddings, the token embedding tied to the output head, and GP
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPT", "GPTConfig"]
+__all__ = ["GPT", "GPTConfig", "GPTStage", "lm_loss"]
 
 
 @dataclass
@@ -132,6 +133,47 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.transformer.wpe.weight.numel() if non_embedding else n
 
+    def split(self, stages: int) -> list[GPTStage]:
+        """This model as ``stages`` pipeline stages (for :class:`fgdiloco.pipeline.Pipeline`).
+
+        Stage 0 holds the token and position embeddings and the first blocks, the last stage the last blocks, the
+        final LayerNorm and the head; the blocks are spread as evenly as possible, earlier stages taking one more
+        when they do not divide. Chained, the stages compute exactly this model's logits at split time:
+        ``stage[-1](...stage[1](stage[0](idx)))`` equals ``self(idx)[0]``. The stages hold copies: training them
+        does not change this model.
+
+        The tied token embedding / head is **untied** when ``stages > 1``: the head starts as a copy of the
+        embedding, and the two then train as separate matrices. Keeping the tie across stages would need a sum
+        of the two gradients between the first and the last stage at every step (as Megatron-LM's embedding group
+        does), a per-step collective across the pipeline that this example does not pay; both matrices are
+        gossiped with their own stage. ``stages=1`` keeps the tie.
+
+        Args:
+            stages: S, an int in ``[1, n_layer]``.
+
+        Returns:
+            ``S`` :class:`GPTStage` modules: stage 0 takes token ids ``[B, T]``, every other stage the residual
+            stream ``[B, T, n_embd]`` (float32); the last returns logits ``[B, T, vocab_size]``, the others the
+            residual stream. Use :func:`lm_loss` as the pipeline's loss.
+
+        Raises:
+            TypeError: ``stages`` not an int.
+            ValueError: ``stages`` outside ``[1, n_layer]``.
+        """
+        if isinstance(stages, bool) or not isinstance(stages, int):
+            raise TypeError(f"stages must be an int in [1, n_layer={self.config.n_layer}], got "
+                            f"{type(stages).__name__}")
+        if not 1 <= stages <= self.config.n_layer:
+            raise ValueError(f"stages must be in [1, n_layer={self.config.n_layer}] (every stage holds at least "
+                             f"one block), got {stages}")
+        per, extra = divmod(self.config.n_layer, stages)
+        out, start = [], 0
+        for s in range(stages):
+            stop = start + per + (1 if s < extra else 0)
+            out.append(GPTStage(self, s, stages, range(start, stop)))
+            start = stop
+        return out
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         _, seq_len = idx.shape
@@ -146,3 +188,52 @@ class GPT(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
         return logits, loss
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy in nats of logits ``[B, T, V]`` against token ids ``[B, T]`` (the loss of
+    :meth:`GPT.forward`, as a pipeline ``loss_fn``)."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+class GPTStage(nn.Module):
+    """Stage ``index`` of ``stages`` of a :class:`GPT`, made by :meth:`GPT.split` (copies of its modules).
+
+    Attributes: ``config``; ``layers`` (the global indices of the blocks held); ``wte``, ``wpe``, ``drop`` on the
+    first stage; ``ln_f``, ``lm_head`` on the last; ``h`` (the blocks) on every stage.
+    """
+
+    def __init__(self, model: GPT, index: int, stages: int, layers: range):
+        super().__init__()
+        self.config = model.config
+        self.index, self.stages, self.layers = index, stages, layers
+        self.is_first, self.is_last = index == 0, index == stages - 1
+        t = model.transformer
+        if self.is_first:
+            self.wte = copy.deepcopy(t.wte)
+            self.wpe = copy.deepcopy(t.wpe)
+            self.drop = copy.deepcopy(t.drop)
+        self.h = nn.ModuleList(copy.deepcopy(t.h[i]) for i in layers)
+        if self.is_last:
+            self.ln_f = copy.deepcopy(t.ln_f)
+            self.lm_head = copy.deepcopy(model.lm_head)
+            if self.is_first:
+                self.wte.weight = self.lm_head.weight  # one stage: the tie is kept
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids ``[B, T]`` (first stage) or the residual stream ``[B, T, n_embd]`` -> the residual stream, or
+        logits ``[B, T, vocab_size]`` on the last stage."""
+        if self.is_first:
+            seq_len = x.shape[1]
+            if seq_len > self.config.block_size:
+                raise ValueError(f"sequence length {seq_len} exceeds block_size {self.config.block_size}")
+            pos = torch.arange(seq_len, dtype=torch.long, device=x.device)
+            x = self.drop(self.wte(x) + self.wpe(pos))
+        for block in self.h:
+            x = block(x)
+        if self.is_last:
+            x = self.lm_head(self.ln_f(x))
+        return x
+
+    def extra_repr(self) -> str:
+        return f"stage {self.index} of {self.stages}, blocks {self.layers.start}..{self.layers.stop - 1}"
