@@ -549,7 +549,8 @@ def main(argv: list[str] | None = None) -> int:
     faults = [m for m in FAULT_METHODS if args.peers and not args.no_faults]
     if any("peer" in METHODS[m] for m in methods + faults):
         lighthouse_binary()  # fails early without torchft
-    cap = args.cap_seconds if args.cap_seconds else (15.0 if args.quick else 150.0)
+    # --peers --quick: torchft's rounds take up to 3 s each on the loaded 2 cores; 15 s would cut its short run
+    cap = args.cap_seconds if args.cap_seconds else ((60.0 if args.peers else 15.0) if args.quick else 150.0)
     stem = "wan_peers" if args.peers else "wan"
     out_path = Path(args.out) if args.out else RESULTS / (f"{stem}_quick.json" if args.quick else f"{stem}.json")
     runs_dir = Path(args.runs_dir) / (("peers-" if args.peers else "") + ("quick" if args.quick else "full"))
@@ -590,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
         ] if args.peers else []),
     }
     runs: list[dict[str, Any]] = []
-    extra_h = args.sensitivity_h if args.sensitivity_h is not None else (None if args.quick else 20)
+    extra_h = args.sensitivity_h if args.sensitivity_h is not None else (None if args.quick or args.peers else 20)
     sens_runs: list[dict[str, Any]] = []
     port = 29400
     with NetnsCluster(job["workers"], rate_mbit=bandwidths[0]) as net:
