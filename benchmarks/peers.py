@@ -222,6 +222,7 @@ def peer_worker(raw: dict[str, Any]) -> int:
     kept: list[dict[str, torch.Tensor]] = []
     eval_seconds = 0.0
     net0 = _net_bytes()
+    cpu0 = _cpu_seconds()
     t_start = time.perf_counter()
     t_round = t_start
 
@@ -286,6 +287,7 @@ def peer_worker(raw: dict[str, Any]) -> int:
                 stopped = True
                 break
     train_seconds = rows[-1]["train_seconds"]
+    cpu_train = _cpu_seconds() - cpu0
     if fg is not None:
         fg.close()
     for row, weights in zip(rows, kept):  # deferred evaluation, after training
@@ -295,7 +297,10 @@ def peer_worker(raw: dict[str, Any]) -> int:
     tmp = out / f".rank{rank}.jsonl.tmp"
     tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
     os.replace(tmp, out / f"rank{rank}.jsonl")
+    # CPU seconds this worker process used while training (all its threads: torchft's heartbeat / RPC threads and
+    # Gloo's included) against the training wall seconds: the overhead a shared core pays beside the inner steps
     done = {"rank": rank, "steps": steps_done, "stopped_early": stopped, "train_seconds": train_seconds,
+            "train_cpu_seconds": cpu_train, "threads": _threads(),
             "peer": peer, "config": dataclasses.asdict(cfg), "torch": torch.__version__}
     if manager is not None:
         import torchft
@@ -308,6 +313,27 @@ def peer_worker(raw: dict[str, Any]) -> int:
     # torchft's Rust threads and Gloo pairs with a dead peer can hang an orderly interpreter exit; all results are
     # written, so leave now
     os._exit(0)
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def _threads() -> int | None:
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        return int(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("Threads:")))
+    return None
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds process ``pid`` has used so far (``/proc/<pid>/stat``), None when unreadable."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return None
 
 
 def _dist_version(name: str) -> str | None:
@@ -366,9 +392,19 @@ def write_merged(run_dir: Path) -> list[dict[str, Any]]:
                "utilisation": sum(util) / len(util) if util else None, "bytes_sent": None,
                "failed_exchanges": sum(r.get("failed_exchanges") or 0 for r in rows),
                "config": done0.get("config"), "peer": done0.get("peer"), "torchft": done0.get("torchft"),
-               "commits": done0.get("commits")}
+               "commits": done0.get("commits"), "cpu_per_train_second": _cpu_fraction(run_dir)}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return rows
+
+
+def _cpu_fraction(run_dir: Path) -> float | None:
+    """Mean over ranks of CPU seconds / training wall seconds (1.0 = one core busy all the time)."""
+    v = []
+    for p in run_dir.glob("rank*.done.json"):
+        d = json.loads(p.read_text())
+        if d.get("train_cpu_seconds") is not None and d.get("train_seconds"):
+            v.append(d["train_cpu_seconds"] / d["train_seconds"])
+    return sum(v) / len(v) if v else None
 
 
 def dead_worker_cost(rows: list[dict[str, Any]], die_at_step: int, sync_every: int) -> dict[str, Any]:

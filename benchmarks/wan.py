@@ -166,7 +166,8 @@ def summarise_run(name: str, bw: float, run_dir: Path, meta: dict[str, Any], job
     cfg = METHODS[name]
     if "peer" in cfg:
         out.update({"codec": "fp32 all-reduce", "peer": s.get("peer"), "torchft": s.get("torchft"),
-                    "commits": s.get("commits"), "sync_every": job["sync_every"]})
+                    "commits": s.get("commits"), "cpu_per_train_second": s.get("cpu_per_train_second"),
+                    "sync_every": job["sync_every"]})
     else:
         out.update({"codec": cfg.get("codec", "dense") + ("_r4_int8" if cfg.get("codec") == "lowrank" else ""),
                     "mix1_rounds": 1, "mix2_rounds": cfg.get("mix2_rounds", 1), "sync_every": job["sync_every"]})
@@ -475,6 +476,10 @@ def run_one(net: Any, name: str, bw: float, job: dict[str, Any], run_dir: Path, 
                     break
             time.sleep(0.2)
     finally:
+        if lighthouse is not None:
+            from benchmarks.peers import process_cpu_seconds
+
+            lighthouse_cpu = process_cpu_seconds(lighthouse[0].pid)
         for p, log in procs + ([lighthouse] if lighthouse else []):
             if p.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -485,6 +490,8 @@ def run_one(net: Any, name: str, bw: float, job: dict[str, Any], run_dir: Path, 
     if error is None and any(rc != expected.get(i, 0) for i, rc in enumerate(rcs)):
         error = f"worker exit codes {rcs}"
     meta = {"process_seconds": round(time.perf_counter() - t0, 1), "exit_codes": rcs}
+    if lighthouse is not None:  # CPU seconds the lighthouse used over the whole run (in worker 0's namespace)
+        meta["lighthouse_cpu_seconds"] = lighthouse_cpu
     if peer is not None and (run_dir / "rank0.jsonl").is_file():
         from benchmarks.peers import write_merged
 
