@@ -4,6 +4,10 @@ Run from the repository root, as root (network namespaces)::
 
     python -m benchmarks.wan             # full run, ~30 min on 2 cores; writes benchmarks/results/wan.json + PNGs
     python -m benchmarks.wan --quick     # ~2-minute smoke version (100 Mbit/s only, short runs)
+    pip install -e ".[bench]"            # torchft, for --peers only
+    python -m benchmarks.wan --peers     # every method + torchft's DiLoCo / Streaming DiLoCo at 10 and 100 Mbit/s,
+                                         # then the dead-worker runs; writes benchmarks/results/wan_peers.json + PNG
+    python -m benchmarks.wan --peers --quick   # ~5-minute check of that path: 100 Mbit/s, 60 steps, 4 methods
 
 Four workers, each in its own network namespace (``benchmarks/netns.py``: veth pairs to a bridge, both ends shaped
 with ``tc ... tbf`` at 10, 100 and 1000 Mbit/s; addresses in 10.213.0.0/24 that exist only inside those
@@ -13,7 +17,11 @@ batches per worker, same token budget) with ``fgdiloco.pretrain.worker.train_wor
 * ``ddp``: ``DistributedDataParallel``, gradients all-reduced every step;
 * ``diloco``: ``FGDiLoCo(topology="allreduce", codec="dense")`` = DiLoCo;
 * ``localsgd``: PyTorch's own ``PeriodicModelAverager`` (period = H; local SGD with parameter averaging);
-* ``fg-*``: FG-DiLoCo (random topology) with ``mix2_rounds`` in {0, 1} x codec in {dense, LowRank(rank=4, int8)}.
+* ``fg-*``: FG-DiLoCo (random topology) with ``mix2_rounds`` in {0, 1} x codec in {dense, LowRank(rank=4, int8)};
+* ``torchft-diloco`` / ``torchft-streaming`` (``--peers``): torchft's ``DiLoCo`` and Streaming DiLoCo on the same
+  job (``benchmarks/peers.py``), the lighthouse in worker 0's namespace; their table's ratios are to torchft DiLoCo.
+  ``--peers`` also kills one worker mid-round in a run of torchft DiLoCo, Streaming DiLoCo and FG-DiLoCo (LowRank,
+  r2=1) at 100 Mbit/s and reports the seconds and rounds that cost the survivors.
 
 Per method: compute utilisation (inner-compute seconds / wall seconds; for DDP and local SGD: seconds not blocked
 in communication / wall seconds, measured the same way), wall seconds and tokens to reach DiLoCo's final held-out
@@ -34,6 +42,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -364,8 +373,45 @@ def plot(runs: list[dict[str, Any]], bandwidths: list[float], table: dict[str, A
         axes[0][j].set_xlabel("wall seconds (training; evaluation excluded)")
         axes[1][j].set_xlabel("tokens seen by all workers (millions)")
         axes[0][j].legend(fontsize=7)
-    fig.suptitle("Same job, same tokens per worker; 4 workers share 2 CPU cores (compute slowed equally for all)",
+    sep = "\n" if len(bandwidths) == 1 else "; "
+    fig.suptitle(f"Same job, same tokens per worker{sep}4 workers share 2 CPU cores (compute slowed equally for all)",
                  fontsize=10)
+    fig.tight_layout()
+    path = out / name
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return str(path)
+
+
+def plot_dead_worker(fault_runs: list[dict[str, Any]], out: Path,
+                     name: str = "wan_peers_dead_worker.png") -> str | None:
+    """Blocked seconds per outer round (mean over the survivors) of each dead-worker run, the death marked."""
+    ok = [r for r in fault_runs if not r.get("error") and not (r.get("dead_worker") or {}).get("error")]
+    if not ok:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in ok:
+        d = r["dead_worker"]
+        # round keys are ints in memory and strings once read back from the JSON
+        per = [{int(k): v for k, v in c["blocked_seconds_by_round"].items()} for c in d["per_rank"].values()
+               if "error" not in c]
+        rounds = sorted({k for c in per for k in c})
+        mean = [statistics.mean(c[k] for c in per if k in c) for k in rounds]
+        ax.plot(rounds, mean, "o-", ms=3, label=f"{LABEL[r['method']]}: {d['seconds_lost']:.1f} s lost, "
+                                                f"{d['rounds_lost']:g} rounds lost")
+    d0 = ok[0]["dead_worker"]
+    died = d0.get("died_in_round", -(-d0["die_at_step"] // ok[0]["sync_every"]))
+    ax.axvline(died, ls=":", color="grey", label=f"worker {d0['die_rank']} dies (step {d0['die_at_step']})")
+    ax.set_xlabel("outer round")
+    ax.set_ylabel("seconds blocked in the round (mean over survivors)")
+    ax.set_title(f"One dead worker at {ok[0]['bandwidth_mbit']:g} Mbit/s, 4 workers", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     path = out / name
     fig.savefig(path, dpi=100)
@@ -670,6 +716,9 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     result["plot"] = plot(runs, bandwidths, table, out_path.parent if not args.quick else Path(runs_dir),
                           name=f"{stem}_loss.png")
+    if result.get("dead_worker_runs"):
+        result["plot_dead_worker"] = plot_dead_worker(result["dead_worker_runs"],
+                                                      out_path.parent if not args.quick else Path(runs_dir))
     result["seconds"] = round(time.perf_counter() - t_all, 1)
     out_path.write_text(json.dumps(result, indent=1) + "\n")
     print_tables(result)
@@ -690,6 +739,8 @@ def reanalyse(path: Path) -> int:
         result["targets_vs_torchft_100mbit"] = peer_targets(result["peers_table"])
     result["plot"] = plot(result["runs"], bandwidths, result["table"], path.parent,
                           name=Path(result.get("plot") or "wan_loss.png").name)
+    if result.get("dead_worker_runs"):
+        result["plot_dead_worker"] = plot_dead_worker(result["dead_worker_runs"], path.parent)
     path.write_text(json.dumps(result, indent=1) + "\n")
     print_tables(result)
     return 0
@@ -713,7 +764,8 @@ def fault_summary(run_dir: Path, fault: dict[str, Any], job: dict[str, Any]) -> 
         return {"error": "no survivor rows" if not costs else next(iter(costs.values()))["error"], "per_rank": costs}
     mean = {k: sum(c[k] for c in ok) / len(ok) for k in ("seconds_lost", "stall_seconds", "discarded_seconds",
                                                          "rounds_lost", "normal_blocked_seconds")}
-    return {**fault, "survivors": sorted(costs), **mean, "lost_rounds": ok[0]["lost_rounds"],
+    return {**fault, "died_in_round": ok[0]["died_in_round"], "survivors": sorted(costs), **mean,
+            "lost_rounds": ok[0]["lost_rounds"],
             "failed_exchanges": sum(c["failed_exchanges"] for c in ok),
             "participants_after": ok[0]["participants_after"],
             "survivor_train_seconds": per_rank[0][-1]["train_seconds"] if per_rank.get(0) else None,
