@@ -480,9 +480,11 @@ def run_one(net: Any, name: str, bw: float, job: dict[str, Any], run_dir: Path, 
             if peer["backend"] == "fgdiloco":
                 cfg["timeout"] = FAULT_TIMEOUT
         if peer["backend"] == "torchft":
-            lh_port = port + 300  # in worker 0's namespace; the store and manager ports are per namespace
+            # fresh ports for every run (a run's sockets may linger in TIME_WAIT in the next); the store and the
+            # manager listen in each worker's own namespace, the lighthouse in worker 0's
+            lh_port = port + 300
             # every quorum holds all workers; a dead-worker run goes on with one fewer
-            peer.update(lighthouse=f"http://{net.addrs[0]}:{lh_port}",
+            peer.update(lighthouse=f"http://{net.addrs[0]}:{lh_port}", store_port=port + 100, manager_port=port + 200,
                         min_replicas=job["workers"] - (1 if fault else 0))
     cfg_path = run_dir / "config.json"
     cfg_path.write_text(json.dumps(cfg, indent=1))
