@@ -6,7 +6,7 @@ Run from the repository root, as root (network namespaces)::
     python -m benchmarks.wan --quick     # ~2-minute smoke version (100 Mbit/s only, short runs)
     pip install -e ".[bench]"            # torchft, for --peers only
     python -m benchmarks.wan --peers     # every method + torchft's DiLoCo / Streaming DiLoCo at 10 and 100 Mbit/s,
-                                         # then the dead-worker runs; writes benchmarks/results/wan_peers.json + PNG
+                                         # then the dead-worker runs (~40 min); writes results/wan_peers.json + PNGs
     python -m benchmarks.wan --peers --quick   # ~5-minute check of that path: 100 Mbit/s, 60 steps, 4 methods
 
 Four workers, each in its own network namespace (``benchmarks/netns.py``: veth pairs to a bridge, both ends shaped
