@@ -4,6 +4,10 @@ Run from the repository root, as root (network namespaces)::
 
     python -m benchmarks.wan             # full run, ~30 min on 2 cores; writes benchmarks/results/wan.json + PNGs
     python -m benchmarks.wan --quick     # ~2-minute smoke version (100 Mbit/s only, short runs)
+    pip install -e ".[bench]"            # torchft, for --peers only
+    python -m benchmarks.wan --peers     # every method + torchft's DiLoCo / Streaming DiLoCo at 10 and 100 Mbit/s,
+                                         # then the dead-worker runs (~40 min); writes results/wan_peers.json + PNGs
+    python -m benchmarks.wan --peers --quick   # ~5-minute check of that path: 100 Mbit/s, 60 steps, 4 methods
 
 Four workers, each in its own network namespace (``benchmarks/netns.py``: veth pairs to a bridge, both ends shaped
 with ``tc ... tbf`` at 10, 100 and 1000 Mbit/s; addresses in 10.213.0.0/24 that exist only inside those
@@ -13,7 +17,11 @@ batches per worker, same token budget) with ``fgdiloco.pretrain.worker.train_wor
 * ``ddp``: ``DistributedDataParallel``, gradients all-reduced every step;
 * ``diloco``: ``FGDiLoCo(topology="allreduce", codec="dense")`` = DiLoCo;
 * ``localsgd``: PyTorch's own ``PeriodicModelAverager`` (period = H; local SGD with parameter averaging);
-* ``fg-*``: FG-DiLoCo (random topology) with ``mix2_rounds`` in {0, 1} x codec in {dense, LowRank(rank=4, int8)}.
+* ``fg-*``: FG-DiLoCo (random topology) with ``mix2_rounds`` in {0, 1} x codec in {dense, LowRank(rank=4, int8)};
+* ``torchft-diloco`` / ``torchft-streaming`` (``--peers``): torchft's ``DiLoCo`` and Streaming DiLoCo on the same
+  job (``benchmarks/peers.py``), the lighthouse in worker 0's namespace; their table's ratios are to torchft DiLoCo.
+  ``--peers`` also kills one worker mid-round in a run of torchft DiLoCo, Streaming DiLoCo and FG-DiLoCo (LowRank,
+  r2=1) at 100 Mbit/s and reports the seconds and rounds that cost the survivors.
 
 Per method: compute utilisation (inner-compute seconds / wall seconds; for DDP and local SGD: seconds not blocked
 in communication / wall seconds, measured the same way), wall seconds and tokens to reach DiLoCo's final held-out
@@ -34,6 +42,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -70,11 +79,29 @@ METHODS: dict[str, dict[str, Any]] = {
     "fg-dense-r2=1": {"topology": "random", "codec": "dense", "mix2_rounds": 1},
     "fg-lowrank-r2=0": {"topology": "random", "codec": "lowrank", "rank": 4, "mix2_rounds": 0},
     "fg-lowrank-r2=1": {"topology": "random", "codec": "lowrank", "rank": 4, "mix2_rounds": 1},
+    # the peers (benchmarks/peers.py; torchft from `pip install -e ".[bench]"`): torchft's DiLoCo, and its Streaming
+    # DiLoCo with the model in 2 fragments (embeddings + block 0 | block 1 + final norm), one synchronised every
+    # H / 2 steps, each all-reduce started 2 inner steps before it is needed and the result mixed half-half with
+    # the local fragment (Streaming DiLoCo's tau and alpha). should_quantize stays off: torchft's quantised
+    # all-reduce is Triton (GPU) code and without Triton torchft silently sends fp32 anyway.
+    "torchft-diloco": {"peer": {"backend": "torchft", "fragments": 1}},
+    "torchft-streaming": {"peer": {"backend": "torchft", "fragments": 2, "fragment_sync_delay": 2,
+                                   "fragment_update_alpha": 0.5}},
 }
-FAMILY = {"ddp": "ddp", "diloco": "diloco", "localsgd": "localsgd"}
+#: the methods --peers adds to the default set
+PEERS = ("torchft-diloco", "torchft-streaming")
+FAMILY = {"ddp": "ddp", "diloco": "diloco", "localsgd": "localsgd", "torchft-diloco": "torchft",
+          "torchft-streaming": "torchft"}
 LABEL = {"ddp": "DDP (per step)", "diloco": "DiLoCo", "localsgd": "post-local SGD (PyTorch)",
          "fg-dense-r2=0": "FG-DiLoCo dense, r2=0", "fg-dense-r2=1": "FG-DiLoCo dense, r2=1",
-         "fg-lowrank-r2=0": "FG-DiLoCo LowRank r4 int8, r2=0", "fg-lowrank-r2=1": "FG-DiLoCo LowRank r4 int8, r2=1"}
+         "fg-lowrank-r2=0": "FG-DiLoCo LowRank r4 int8, r2=0", "fg-lowrank-r2=1": "FG-DiLoCo LowRank r4 int8, r2=1",
+         "torchft-diloco": "torchft DiLoCo", "torchft-streaming": "torchft Streaming DiLoCo (F=2, tau=2, alpha=0.5)"}
+#: --peers: the dead-worker runs (one worker os._exit()s mid-round), at 100 Mbit/s
+FAULT_METHODS = ("torchft-diloco", "torchft-streaming", "fg-lowrank-r2=1")
+FAULT_RANK = 3
+#: FG-DiLoCo's exchange timeout in the dead-worker runs: the 5 s in which torchft's lighthouse declares a replica
+#: dead by default (heartbeat_timeout_ms=5000), so both get the same failure-detection budget
+FAULT_TIMEOUT = 5.0
 
 
 # ---------------------------------------------------------------------------------------------------- worker side
@@ -87,6 +114,10 @@ def worker_main(config_path: str) -> int:
 
     print(f"[wan worker] fgdiloco from {Path(fgdiloco.__file__).parent}", flush=True)
     raw = json.loads(Path(config_path).read_text())
+    if "peer" in raw:
+        from benchmarks.peers import peer_worker
+
+        return peer_worker(raw)
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     dropped = sorted(set(raw) - known)
     if dropped:
@@ -142,8 +173,13 @@ def summarise_run(name: str, bw: float, run_dir: Path, meta: dict[str, Any], job
     out: dict[str, Any] = {"method": name, "label": LABEL[name], "family": FAMILY.get(name, "fgdiloco"),
                            "bandwidth_mbit": bw, **meta}
     cfg = METHODS[name]
-    out.update({"codec": cfg.get("codec", "dense") + ("_r4_int8" if cfg.get("codec") == "lowrank" else ""),
-                "mix1_rounds": 1, "mix2_rounds": cfg.get("mix2_rounds", 1), "sync_every": job["sync_every"]})
+    if "peer" in cfg:
+        out.update({"codec": "fp32 all-reduce", "peer": s.get("peer"), "torchft": s.get("torchft"),
+                    "commits": s.get("commits"), "cpu_per_train_second": s.get("cpu_per_train_second"),
+                    "sync_every": job["sync_every"]})
+    else:
+        out.update({"codec": cfg.get("codec", "dense") + ("_r4_int8" if cfg.get("codec") == "lowrank" else ""),
+                    "mix1_rounds": 1, "mix2_rounds": cfg.get("mix2_rounds", 1), "sync_every": job["sync_every"]})
     if not rows or len(rows) < 2:
         out["error"] = out.get("error") or "no metrics"
         return out
@@ -190,12 +226,20 @@ def _mean(xs: Any) -> float | None:
 
 
 
-def compare(runs: list[dict[str, Any]], bandwidths: list[float]) -> dict[str, Any]:
-    """Targets, time/tokens to target, loss at equal tokens and ratios to DiLoCo, per bandwidth."""
+def ratio_key(ref: str) -> str:
+    """The key of the ratios to method ``ref`` in a :func:`compare` row (``ratio_to_diloco``,
+    ``ratio_to_torchft_diloco``)."""
+    return "ratio_to_" + ref.replace("-", "_")
+
+
+def compare(runs: list[dict[str, Any]], bandwidths: list[float], ref_method: str = "diloco") -> dict[str, Any]:
+    """Targets, time/tokens to target, loss at equal tokens and ratios to ``ref_method`` (its final held-out loss
+    is the target, its tokens the equal-token point), per bandwidth."""
     table: dict[str, Any] = {}
+    key = ratio_key(ref_method)
     for bw in bandwidths:
         here = [r for r in runs if r["bandwidth_mbit"] == bw and not r.get("error")]
-        ref = next((r for r in here if r["method"] == "diloco"), None)
+        ref = next((r for r in here if r["method"] == ref_method), None)
         if ref is None:
             continue
         target = ref["final_loss"]
@@ -219,9 +263,9 @@ def compare(runs: list[dict[str, Any]], bandwidths: list[float]) -> dict[str, An
                 "final_loss": r["final_loss"],
                 "wire_tx_bytes_per_worker": r["wire_tx_bytes_per_worker"],
             }
-        base = rows["diloco"]
+        base = rows[ref_method]
         for row in rows.values():
-            row["ratio_to_diloco"] = {
+            row[key] = {
                 "utilisation": _ratio(row["utilisation"], base["utilisation"]),
                 "seconds_to_target": _ratio(row["seconds_to_target"], base["seconds_to_target"]),
                 "seconds_to_loose_target": _ratio(row["seconds_to_loose_target"], base["seconds_to_loose_target"]),
@@ -230,8 +274,8 @@ def compare(runs: list[dict[str, Any]], bandwidths: list[float]) -> dict[str, An
                 "wire_tx_bytes_per_worker": _ratio(row["wire_tx_bytes_per_worker"], base["wire_tx_bytes_per_worker"]),
                 "train_seconds": _ratio(row["train_seconds"], base["train_seconds"]),
             }
-        table[f"{bw:g}"] = {"target_loss": target, "loose_target_loss": loose, "equal_tokens": tokens_eq,
-                            "methods": rows}
+        table[f"{bw:g}"] = {"reference": ref_method, "target_loss": target, "loose_target_loss": loose,
+                            "equal_tokens": tokens_eq, "methods": rows}
     return table
 
 
@@ -271,25 +315,54 @@ def targets(table: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def peer_targets(peers_table: dict[str, Any]) -> dict[str, Any]:
+    """The issue's targets at 100 Mbit/s against torchft: FG-DiLoCo (LowRank, r2=1) reaches torchft DiLoCo's final
+    held-out loss in <= 0.7x torchft DiLoCo's wall time and in <= 1.0x Streaming DiLoCo's."""
+    t = peers_table.get("100")
+    need = ("fg-lowrank-r2=1", "torchft-diloco", "torchft-streaming")
+    if not t or any(m not in t["methods"] for m in need):
+        return {"evaluated": False}
+    fg, tf, st = (t["methods"][m] for m in need)
+    vs_tf = _ratio(fg["seconds_to_target"], tf["seconds_to_target"])
+    vs_st = _ratio(fg["seconds_to_target"], st["seconds_to_target"])
+    return {
+        "evaluated": True,
+        "target_loss": t["target_loss"],
+        "fg_seconds_to_target": fg["seconds_to_target"],
+        "torchft_diloco_seconds_to_target": tf["seconds_to_target"],
+        "torchft_streaming_seconds_to_target": st["seconds_to_target"],
+        "fg_vs_torchft_diloco": vs_tf,
+        "fg_vs_torchft_diloco_le_0.7": vs_tf is not None and vs_tf <= 0.7,
+        "fg_vs_torchft_streaming": vs_st,
+        # Streaming DiLoCo never reaching the target counts as met when FG-DiLoCo does
+        "fg_vs_torchft_streaming_le_1.0": (vs_st is not None and vs_st <= 1.0)
+        or (fg["seconds_to_target"] is not None and st["seconds_to_target"] is None),
+        "utilisation": {m: t["methods"][m]["utilisation"] for m in need},
+    }
+
+
 # ---------------------------------------------------------------------------------------------------- plots
-def plot(runs: list[dict[str, Any]], bandwidths: list[float], table: dict[str, Any], out: Path) -> str:
+def plot(runs: list[dict[str, Any]], bandwidths: list[float], table: dict[str, Any], out: Path,
+         name: str = "wan_loss.png") -> str:
     import matplotlib
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
     colors = {"ddp": "C3", "diloco": "C0", "localsgd": "C5", "fg-dense-r2=0": "C4", "fg-dense-r2=1": "C1",
-              "fg-lowrank-r2=0": "C9", "fg-lowrank-r2=1": "C2"}
+              "fg-lowrank-r2=0": "C9", "fg-lowrank-r2=1": "C2", "torchft-diloco": "C7", "torchft-streaming": "C8"}
     fig, axes = plt.subplots(2, len(bandwidths), figsize=(5.2 * len(bandwidths), 8), squeeze=False)
     for j, bw in enumerate(bandwidths):
         for r in runs:
             if r["bandwidth_mbit"] != bw or r.get("error"):
                 continue
             c = r["curve"]
-            kw = dict(color=colors[r["method"]], lw=1.4 if r["method"] in ("diloco", "fg-lowrank-r2=1") else 1.0,
+            kw = dict(color=colors[r["method"]],
+                      lw=1.4 if r["method"] in ("diloco", "fg-lowrank-r2=1", "torchft-diloco") else 1.0,
+                      ls="--" if r["method"].startswith("torchft") else "-",
                       label=r["label"] + (" (capped)" if r["capped"] else ""))
-            axes[0][j].plot([p["train_seconds"] for p in c], [p["loss"] for p in c], "-", **kw)
-            axes[1][j].plot([p["tokens"] / 1e6 for p in c], [p["loss"] for p in c], "-", **kw)
+            axes[0][j].plot([p["train_seconds"] for p in c], [p["loss"] for p in c], **kw)
+            axes[1][j].plot([p["tokens"] / 1e6 for p in c], [p["loss"] for p in c], **kw)
         t = table.get(f"{bw:g}")
         for i in (0, 1):
             if t:
@@ -300,10 +373,47 @@ def plot(runs: list[dict[str, Any]], bandwidths: list[float], table: dict[str, A
         axes[0][j].set_xlabel("wall seconds (training; evaluation excluded)")
         axes[1][j].set_xlabel("tokens seen by all workers (millions)")
         axes[0][j].legend(fontsize=7)
-    fig.suptitle("Same job, same tokens per worker; 4 workers share 2 CPU cores (compute slowed equally for all)",
+    sep = "\n" if len(bandwidths) == 1 else "; "
+    fig.suptitle(f"Same job, same tokens per worker{sep}4 workers share 2 CPU cores (compute slowed equally for all)",
                  fontsize=10)
     fig.tight_layout()
-    path = out / "wan_loss.png"
+    path = out / name
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return str(path)
+
+
+def plot_dead_worker(fault_runs: list[dict[str, Any]], out: Path,
+                     name: str = "wan_peers_dead_worker.png") -> str | None:
+    """Blocked seconds per outer round (mean over the survivors) of each dead-worker run, the death marked."""
+    ok = [r for r in fault_runs if not r.get("error") and not (r.get("dead_worker") or {}).get("error")]
+    if not ok:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in ok:
+        d = r["dead_worker"]
+        # round keys are ints in memory and strings once read back from the JSON
+        per = [{int(k): v for k, v in c["blocked_seconds_by_round"].items()} for c in d["per_rank"].values()
+               if "error" not in c]
+        rounds = sorted({k for c in per for k in c})
+        mean = [statistics.mean(c[k] for c in per if k in c) for k in rounds]
+        ax.plot(rounds, mean, "o-", ms=3, label=f"{LABEL[r['method']]}: {d['seconds_lost']:.1f} s lost, "
+                                                f"{d['rounds_lost']:g} rounds lost")
+    d0 = ok[0]["dead_worker"]
+    died = d0.get("died_in_round", -(-d0["die_at_step"] // ok[0]["sync_every"]))
+    ax.axvline(died, ls=":", color="grey", label=f"worker {d0['die_rank']} dies (step {d0['die_at_step']})")
+    ax.set_xlabel("outer round")
+    ax.set_ylabel("seconds blocked in the round (mean over survivors)")
+    ax.set_title(f"One dead worker at {ok[0]['bandwidth_mbit']:g} Mbit/s, 4 workers", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out / name
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return str(path)
@@ -335,14 +445,47 @@ def snapshot_code(dest_root: Path) -> dict[str, Any]:
             "working_tree_changes_not_used": [d.strip() for d in dirty if d.strip()]}
 
 
-def run_one(net: Any, name: str, bw: float, job: dict[str, Any], run_dir: Path, port: int, cap_s: float,
-            hard_s: float, code: dict[str, Any], cache: Path) -> dict[str, Any]:
+def lighthouse_binary() -> str:
+    """Path of torchft's ``torchft_lighthouse`` next to this Python (``pip install -e ".[bench]"``).
+
+    Raises:
+        SystemExit: torchft is not installed in this environment.
+    """
+    cand = Path(sys.executable).with_name("torchft_lighthouse")
+    found = str(cand) if cand.is_file() else shutil.which("torchft_lighthouse")
+    if not found:
+        raise SystemExit("the torchft methods need torchft: pip install -e \".[bench]\" (torchft_lighthouse not "
+                         "found next to this Python)")
+    return found
+
+
+def run_one(net: Any, name: str, bw: float, job: dict[str, Any], run_dir: Path, port: int, cap_s: float | None,
+            hard_s: float, code: dict[str, Any], cache: Path, fault: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run method ``name`` once on the cluster's links and summarise it. ``fault``: ``{"die_rank", "die_at_step"}``
+    for a dead-worker run (through ``benchmarks/peers.py`` for every method; no time cap)."""
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
+    method = json.loads(json.dumps(METHODS[name]))
+    if fault is not None and "peer" not in method:
+        method["peer"] = {"backend": "fgdiloco"}
+    peer = method.get("peer")
     cfg = {k: v for k, v in job.items() if k != "workers"}
     cfg.update(workers=job["workers"], out=str(run_dir), quiet=True, timeout=120.0, eval_every=1, cache_dir=str(cache),
-               max_seconds=cap_s, net_counters=True, eval_deferred=True, **METHODS[name])
+               max_seconds=cap_s, net_counters=True, eval_deferred=True, **method)
+    lighthouse = None
+    if peer is not None:
+        if fault is not None:
+            peer.update(fault)
+            if peer["backend"] == "fgdiloco":
+                cfg["timeout"] = FAULT_TIMEOUT
+        if peer["backend"] == "torchft":
+            # fresh ports for every run (a run's sockets may linger in TIME_WAIT in the next); the store and the
+            # manager listen in each worker's own namespace, the lighthouse in worker 0's
+            lh_port = port + 300
+            # every quorum holds all workers; a dead-worker run goes on with one fewer
+            peer.update(lighthouse=f"http://{net.addrs[0]}:{lh_port}", store_port=port + 100, manager_port=port + 200,
+                        min_replicas=job["workers"] - (1 if fault else 0))
     cfg_path = run_dir / "config.json"
     cfg_path.write_text(json.dumps(cfg, indent=1))
     env_common = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -350,11 +493,23 @@ def run_one(net: Any, name: str, bw: float, job: dict[str, Any], run_dir: Path, 
     # python -m puts first on sys.path), benchmarks from this checkout
     procs = []
     t0 = time.perf_counter()
+    if peer is not None and peer["backend"] == "torchft":
+        # the lighthouse listens on worker 0's address only: reachable inside the namespaces, nowhere else
+        lh_log = open(run_dir / "lighthouse.log", "w")  # noqa: SIM115 - closed below
+        lighthouse = (net.popen(0, [lighthouse_binary(), "--bind", f"{net.addrs[0]}:{lh_port}", "--min_replicas",
+                                    str(peer["min_replicas"])], stdout=lh_log, stderr=subprocess.STDOUT), lh_log)
+    from benchmarks.peers import DIED_EXIT_CODE
+
+    expected = {fault["die_rank"]: DIED_EXIT_CODE} if fault else {}
     for i in range(job["workers"]):
-        env = {**env_common, **net.dist_env(i, port)}
+        env = {**env_common, **net.dist_env(i, port), "FGDB_ADDR": net.addrs[i]}
         log = open(run_dir / f"rank{i}.log", "w")  # noqa: SIM115 - closed below
         procs.append((net.popen(i, [sys.executable, "-m", "benchmarks.wan", "--worker", str(cfg_path)], env=env,
                                 cwd=code["path"], stdout=log, stderr=subprocess.STDOUT), log))
+
+    def failed(i: int, p: subprocess.Popen) -> bool:
+        return p.poll() is not None and p.returncode != expected.get(i, 0)
+
     error = None
     try:
         deadline = t0 + hard_s
@@ -362,23 +517,33 @@ def run_one(net: Any, name: str, bw: float, job: dict[str, Any], run_dir: Path, 
             if time.perf_counter() > deadline:
                 error = f"killed after {hard_s:.0f} s"
                 break
-            if any(p.poll() not in (None, 0) for p, _ in procs):
+            if any(failed(i, p) for i, (p, _) in enumerate(procs)):
                 time.sleep(2.0)  # give the others a moment to report, then stop
                 if any(p.poll() is None for p, _ in procs):
                     error = "a worker failed"
                     break
             time.sleep(0.2)
     finally:
-        for p, log in procs:
+        if lighthouse is not None:
+            from benchmarks.peers import process_cpu_seconds
+
+            lighthouse_cpu = process_cpu_seconds(lighthouse[0].pid)
+        for p, log in procs + ([lighthouse] if lighthouse else []):
             if p.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
             log.close()
     rcs = [p.returncode for p, _ in procs]
-    if error is None and any(rcs):
+    if error is None and any(rc != expected.get(i, 0) for i, rc in enumerate(rcs)):
         error = f"worker exit codes {rcs}"
     meta = {"process_seconds": round(time.perf_counter() - t0, 1), "exit_codes": rcs}
+    if lighthouse is not None:  # CPU seconds the lighthouse used over the whole run (in worker 0's namespace)
+        meta["lighthouse_cpu_seconds"] = lighthouse_cpu
+    if peer is not None and (run_dir / "rank0.jsonl").is_file():
+        from benchmarks.peers import write_merged
+
+        write_merged(run_dir)
     if error and (run_dir / "summary.json").is_file():
         # rank 0 wrote the complete summary: the failure came after training (seen once: a worker aborted with
         # "terminate called without an active exception" at interpreter exit); keep the measurements
@@ -395,6 +560,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worker", metavar="CONFIG", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="2-minute smoke run: 100 Mbit/s, fewer steps")
+    ap.add_argument("--peers", action="store_true",
+                    help="add torchft's DiLoCo and Streaming DiLoCo (pip install -e '.[bench]') and the dead-worker "
+                         "runs; default bandwidths 10,100; writes wan_peers.json")
+    ap.add_argument("--no-faults", action="store_true", help="with --peers: skip the dead-worker runs")
     ap.add_argument("--bandwidths", default=None, help="Mbit/s, comma separated (default 10,100,1000)")
     ap.add_argument("--methods", default=None, help=f"comma separated subset of {','.join(METHODS)}")
     ap.add_argument("--steps", type=int, default=None, help="inner steps per worker (token budget)")
@@ -419,15 +588,27 @@ def main(argv: list[str] | None = None) -> int:
         job.update(steps=60)
     if args.steps:
         job["steps"] = args.steps
-    bandwidths = [float(x) for x in (args.bandwidths or ("100" if args.quick else "10,100,1000")).split(",")]
-    methods = (args.methods.split(",") if args.methods else
-               (["diloco", "fg-lowrank-r2=1", "localsgd", "ddp"] if args.quick else list(METHODS)))
+    default_bw = ("100" if args.quick else "10,100") if args.peers else ("100" if args.quick else "10,100,1000")
+    bandwidths = [float(x) for x in (args.bandwidths or default_bw).split(",")]
+    if args.methods:
+        methods = args.methods.split(",")
+    elif args.peers:
+        methods = (["diloco", "torchft-diloco", "torchft-streaming", "fg-lowrank-r2=1"] if args.quick
+                   else list(METHODS))
+    else:
+        methods = (["diloco", "fg-lowrank-r2=1", "localsgd", "ddp"] if args.quick
+                   else [m for m in METHODS if m not in PEERS])
     for m in methods:
         if m not in METHODS:
             raise SystemExit(f"unknown method {m!r}; use {', '.join(METHODS)}")
-    cap = args.cap_seconds if args.cap_seconds else (15.0 if args.quick else 150.0)
-    out_path = Path(args.out) if args.out else RESULTS / ("wan_quick.json" if args.quick else "wan.json")
-    runs_dir = Path(args.runs_dir) / ("quick" if args.quick else "full")
+    faults = [m for m in FAULT_METHODS if args.peers and not args.no_faults]
+    if any("peer" in METHODS[m] for m in methods + faults):
+        lighthouse_binary()  # fails early without torchft
+    # --peers --quick: torchft's rounds take up to 3 s each on the loaded 2 cores; 15 s would cut its short run
+    cap = args.cap_seconds if args.cap_seconds else ((60.0 if args.peers else 15.0) if args.quick else 150.0)
+    stem = "wan_peers" if args.peers else "wan"
+    out_path = Path(args.out) if args.out else RESULTS / (f"{stem}_quick.json" if args.quick else f"{stem}.json")
+    runs_dir = Path(args.runs_dir) / (("peers-" if args.peers else "") + ("quick" if args.quick else "full"))
     t_all = time.perf_counter()
     print(f"[wan] job: {job}", flush=True)
     code = snapshot_code(Path(args.runs_dir))
@@ -436,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
     _prepare_data(job, cache)
     result: dict[str, Any] = {
         "benchmark": "wan",
-        "command": "python -m benchmarks.wan" + (" --quick" if args.quick else "")
+        "command": "python -m benchmarks.wan" + (" --peers" if args.peers else "") + (" --quick" if args.quick else "")
                    + (f" --bandwidths {args.bandwidths}" if args.bandwidths else "")
                    + (f" --methods {args.methods}" if args.methods else ""),
         "job": job, "workers": job["workers"], "methods": {m: METHODS[m] for m in methods}, "code": code,
@@ -453,10 +634,19 @@ def main(argv: list[str] | None = None) -> int:
             "held-out loss: mean over the 4 replicas of the loss on the same held-out batches; weights are kept at "
             "every round and evaluated after training (eval_deferred), so nothing but training runs between rounds.",
             "no propagation delay is emulated (netem does not exist in this kernel): RTT is ~0.02 ms.",
-        ],
+        ] + ([
+            "torchft (benchmarks/peers.py): one replica group per worker (Manager + TCPStore in its namespace), "
+            "torchft.ProcessGroupGloo across replicas, torchft_lighthouse in worker 0's namespace bound to its "
+            "address; lighthouse min_replicas = Manager min_replica_size = 4 (dead-worker runs: 3); default "
+            "heartbeat timeout (5 s); init_sync=False (same seed). Utilisation: 1 - seconds inside torchft's "
+            "optimizer hooks / round seconds. should_quantize off: it needs Triton (GPU kernels); without it torchft "
+            "sends fp32 anyway.",
+            f"dead-worker runs: worker {FAULT_RANK} os._exit()s mid-round; no time cap; FG-DiLoCo through "
+            f"benchmarks/peers.py with timeout {FAULT_TIMEOUT:g} s (torchft's default heartbeat timeout).",
+        ] if args.peers else []),
     }
     runs: list[dict[str, Any]] = []
-    extra_h = args.sensitivity_h if args.sensitivity_h is not None else (None if args.quick else 20)
+    extra_h = args.sensitivity_h if args.sensitivity_h is not None else (None if args.quick or args.peers else 20)
     sens_runs: list[dict[str, Any]] = []
     port = 29400
     with NetnsCluster(job["workers"], rate_mbit=bandwidths[0]) as net:
@@ -495,14 +685,42 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[wan] sensitivity H={extra_h}, 100 Mbit/s {name:<16} "
                       f"util {100 * (r.get('utilisation') or 0):5.1f} %  "
                       f"train {r.get('train_seconds') or 0:6.1f} s  loss {r.get('final_loss') or 0:.3f}", flush=True)
+        fault_runs: list[dict[str, Any]] = []
+        if faults:
+            bw_f = 100.0 if 100.0 in bandwidths else bandwidths[0]
+            net.set_rate(bw_f)
+            rounds = -(-job["steps"] // job["sync_every"])
+            fault = {"die_rank": FAULT_RANK,
+                     "die_at_step": job["sync_every"] * max(rounds // 3, 1) + job["sync_every"] // 2}
+            for name in faults:
+                port += 1
+                rdir = runs_dir / f"{bw_f:g}mbit-dead-worker" / name
+                r = run_one(net, name, bw_f, job, rdir, port, cap_s=None, hard_s=cap * 3 + 180, code=code,
+                            cache=cache, fault=fault)
+                r["dead_worker"] = fault_summary(rdir, fault, job)
+                fault_runs.append(r)
+                d = r["dead_worker"]
+                print(f"[wan] dead worker, {bw_f:g} Mbit/s {name:<18} "
+                      + (f"ERROR {r.get('error') or d.get('error')}" if r.get("error") or d.get("error") else
+                         f"seconds lost {d['seconds_lost']:.2f} (stall {d['stall_seconds']:.2f}, discarded "
+                         f"{d['discarded_seconds']:.2f})  rounds lost {d['rounds_lost']}"), flush=True)
+                result["dead_worker_runs"] = fault_runs
+                out_path.write_text(json.dumps(result, indent=1) + "\n")
     table = compare(runs, bandwidths)
     result["table"] = table
+    if any(r["method"] == "torchft-diloco" for r in runs):
+        result["peers_table"] = compare(runs, bandwidths, "torchft-diloco")
+        result["targets_vs_torchft_100mbit"] = peer_targets(result["peers_table"])
     if sens_runs:
         result["sensitivity"] = {"sync_every": extra_h, "bandwidth_mbit": 100.0, "runs": sens_runs,
                                  "table": compare(sens_runs, [100.0])}
     result["targets_100mbit"] = targets(table)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    result["plot"] = plot(runs, bandwidths, table, out_path.parent if not args.quick else Path(runs_dir))
+    result["plot"] = plot(runs, bandwidths, table, out_path.parent if not args.quick else Path(runs_dir),
+                          name=f"{stem}_loss.png")
+    if result.get("dead_worker_runs"):
+        result["plot_dead_worker"] = plot_dead_worker(result["dead_worker_runs"],
+                                                      out_path.parent if not args.quick else Path(runs_dir))
     result["seconds"] = round(time.perf_counter() - t_all, 1)
     out_path.write_text(json.dumps(result, indent=1) + "\n")
     print_tables(result)
@@ -518,10 +736,58 @@ def reanalyse(path: Path) -> int:
     result["targets_100mbit"] = targets(result["table"])
     if result.get("sensitivity"):
         result["sensitivity"]["table"] = compare(result["sensitivity"]["runs"], [100.0])
-    result["plot"] = plot(result["runs"], bandwidths, result["table"], path.parent)
+    if any(r["method"] == "torchft-diloco" for r in result["runs"]):
+        result["peers_table"] = compare(result["runs"], bandwidths, "torchft-diloco")
+        result["targets_vs_torchft_100mbit"] = peer_targets(result["peers_table"])
+    result["plot"] = plot(result["runs"], bandwidths, result["table"], path.parent,
+                          name=Path(result.get("plot") or "wan_loss.png").name)
+    if result.get("dead_worker_runs"):
+        result["plot_dead_worker"] = plot_dead_worker(result["dead_worker_runs"], path.parent)
     path.write_text(json.dumps(result, indent=1) + "\n")
     print_tables(result)
     return 0
+
+
+def fault_summary(run_dir: Path, fault: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
+    """:func:`benchmarks.peers.dead_worker_cost` for each survivor of a dead-worker run, and their mean."""
+    from benchmarks.peers import dead_worker_cost, read_rank_rows
+
+    per_rank = read_rank_rows(run_dir)
+    costs = {}
+    for rank, rows in sorted(per_rank.items()):
+        if rank == fault["die_rank"]:
+            continue
+        try:
+            costs[rank] = dead_worker_cost(rows, fault["die_at_step"], job["sync_every"])
+        except ValueError as e:
+            costs[rank] = {"error": str(e)}
+    ok = [c for c in costs.values() if "error" not in c]
+    if not ok:
+        return {"error": "no survivor rows" if not costs else next(iter(costs.values()))["error"], "per_rank": costs}
+    mean = {k: sum(c[k] for c in ok) / len(ok) for k in ("seconds_lost", "stall_seconds", "discarded_seconds",
+                                                         "rounds_lost", "normal_blocked_seconds")}
+    return {**fault, "died_in_round": ok[0]["died_in_round"], "survivors": sorted(costs), **mean,
+            "lost_rounds": ok[0]["lost_rounds"],
+            "failed_exchanges": sum(c["failed_exchanges"] for c in ok),
+            "participants_after": ok[0]["participants_after"],
+            "survivor_train_seconds": per_rank[0][-1]["train_seconds"] if per_rank.get(0) else None,
+            "per_rank": costs}
+
+
+def dead_worker_table(fault_runs: list[dict[str, Any]]) -> str:
+    """Markdown: one row per dead-worker run (means over the survivors)."""
+    lines = ["| method | worker dies at step (round) | seconds lost by each survivor | stall s | discarded compute s "
+             "| rounds lost | normal blocked s / round | survivors' train s |", "|---|---|---|---|---|---|---|---|"]
+    for r in fault_runs:
+        d = r.get("dead_worker") or {}
+        if r.get("error") or d.get("error"):
+            lines.append(f"| {LABEL[r['method']]} | error: {r.get('error') or d.get('error')} | | | | | | |")
+            continue
+        lines.append(f"| {LABEL[r['method']]} | {d['die_at_step']} ({-(-d['die_at_step'] // r['sync_every'])}) | "
+                     f"{d['seconds_lost']:.2f} | {d['stall_seconds']:.2f} | {d['discarded_seconds']:.2f} | "
+                     f"{d['rounds_lost']:g} | {d['normal_blocked_seconds']:.3f} | "
+                     f"{_fmt(d.get('survivor_train_seconds'), 's')} |")
+    return "\n".join(lines)
 
 
 def _fmt(v: Any, kind: str) -> str:
@@ -543,22 +809,24 @@ def _fmt(v: Any, kind: str) -> str:
 
 
 def markdown_tables(result: dict[str, Any], key: str = "table") -> str:
-    """Per bandwidth: one row per method, each number followed by its ratio to DiLoCo."""
+    """Per bandwidth: one row per method, each number followed by its ratio to the table's reference method
+    (DiLoCo; torchft DiLoCo for ``key="peers_table"``)."""
     lines = []
-    src = result.get(key, {}) if key == "table" else result.get("sensitivity", {}).get("table", {})
+    src = result.get("sensitivity", {}).get("table", {}) if key == "sensitivity" else result.get(key, {})
 
     def cell(v: Any, q: Any, kind: str) -> str:
         return _fmt(v, kind) + ("" if v is None or q is None else f" ({q:.2f}x)")
 
     for bw, t in src.items():
-        lines.append(f"\n**{bw} Mbit/s**: target = DiLoCo's final held-out loss {t['target_loss']:.3f} (loose target "
-                     f"+1 %: {t['loose_target_loss']:.3f}); equal tokens = {t['equal_tokens'] / 1e6:.2f}M. "
-                     "In brackets: ratio to DiLoCo.\n")
+        ref = t.get("reference", "diloco")
+        lines.append(f"\n**{bw} Mbit/s**: target = {LABEL[ref]}'s final held-out loss {t['target_loss']:.3f} (loose "
+                     f"target +1 %: {t['loose_target_loss']:.3f}); equal tokens = {t['equal_tokens'] / 1e6:.2f}M. "
+                     f"In brackets: ratio to {LABEL[ref]}.\n")
         lines.append("| method | utilisation | train s | loss @ equal tokens | s to target | tokens to target | "
                      "s to target +1 % | MB sent / worker (veth) |")
         lines.append("|---|---|---|---|---|---|---|---|")
         for m, r in t["methods"].items():
-            q = r["ratio_to_diloco"]
+            q = r[ratio_key(ref)]
             cap = f" (capped: {_fmt(r['tokens'], 'mtok')} tokens)" if r["capped"] else ""
             lines.append(
                 f"| {LABEL[m]}{cap} | {cell(r['utilisation'], q['utilisation'], 'pct')} | "
@@ -573,6 +841,13 @@ def markdown_tables(result: dict[str, Any], key: str = "table") -> str:
 
 def print_tables(result: dict[str, Any]) -> None:
     print(markdown_tables(result))
+    if result.get("peers_table"):
+        print("\n[wan] against torchft")
+        print(markdown_tables(result, "peers_table"))
+        print("[wan] targets against torchft at 100 Mbit/s:", json.dumps(result.get("targets_vs_torchft_100mbit"),
+                                                                         indent=1))
+    if result.get("dead_worker_runs"):
+        print("\n" + dead_worker_table(result["dead_worker_runs"]))
     if result.get("sensitivity"):
         print(f"\n[wan] sensitivity: H = {result['sensitivity']['sync_every']} at 100 Mbit/s")
         print(markdown_tables(result, "sensitivity"))
