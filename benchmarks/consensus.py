@@ -56,6 +56,8 @@ VARIANTS: dict[str, dict] = {
     "FG lowrank, local momentum": dict(codec=lambda: LowRank(rank=4), mix_momentum=False),
     "FG lowrank, mix2_rounds=0": dict(codec=lambda: LowRank(rank=4), mix2_rounds=0),
     "FG lowrank, mix2_rounds=2": dict(codec=lambda: LowRank(rank=4), mix2_rounds=2),
+    "FG lowrank, mix1 dense": dict(codec=lambda: LowRank(rank=4), mix1_codec="dense"),
+    "FG lowrank, mix1_rounds=2": dict(codec=lambda: LowRank(rank=4), mix1_rounds=2),
 }
 QUICK = ("DiLoCo", "FG dense", "FG lowrank", "FG lowrank, local momentum")
 
@@ -264,12 +266,18 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=100)
     p.add_argument("--quick", action="store_true", help="30 rounds and four variants")
     p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--variants", nargs="*", default=None, help=f"a subset of {list(VARIANTS)} (DiLoCo is always run)")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     rounds = 30 if args.quick else args.rounds
     names = QUICK if args.quick else tuple(VARIANTS)
+    if args.variants:
+        unknown = sorted(set(args.variants) - set(VARIANTS))
+        if unknown:
+            p.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+        names = ("DiLoCo", *[v for v in args.variants if v != "DiLoCo"])
     print("[consensus] matrices (M = 8, 32) ...", flush=True)
     matrices = matrix_study()
     for row in matrices:
@@ -294,6 +302,15 @@ def main(argv: list[str] | None = None) -> dict:
                "matrices": matrices, "training": training}
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "consensus_quick" if args.quick else "consensus"
+    previous = args.out / f"{stem}.json"
+    if args.variants and previous.exists():  # add these variants to an earlier run's results (same config)
+        old = json.loads(previous.read_text())
+        if old.get("config") == results["config"]:
+            old["training"].update(training)
+            training = results["training"] = old["training"]
+            base = training["DiLoCo"]["summary"]["final_loss_average_model"]
+            for res in training.values():
+                res["summary"]["loss_vs_diloco"] = res["summary"]["final_loss_average_model"] / base - 1
     (args.out / f"{stem}.json").write_text(json.dumps(results, indent=1))
     plot(results, args.out / f"{stem}.png")
     print("\n| variant | loss, average model | vs DiLoCo | param. disagreement, 2nd half (start → end) | "
