@@ -58,6 +58,11 @@ VARIANTS: dict[str, dict] = {
     "FG lowrank, mix2_rounds=2": dict(codec=lambda: LowRank(rank=4), mix2_rounds=2),
     "FG lowrank, mix1 dense": dict(codec=lambda: LowRank(rank=4), mix1_codec="dense"),
     "FG lowrank, mix1_rounds=2": dict(codec=lambda: LowRank(rank=4), mix1_rounds=2),
+    "FG lowrank, exponential, mix1_rounds=2": dict(codec=lambda: LowRank(rank=4), topology="exponential",
+                                                   mix1_rounds=2),
+    "FG dense, exponential, mix1_rounds=2, mix2_rounds=2": dict(codec="dense", mix1_codec="dense",
+                                                                topology="exponential", mix1_rounds=2,
+                                                                mix2_rounds=2),
 }
 QUICK = ("DiLoCo", "FG dense", "FG lowrank", "FG lowrank, local momentum")
 
@@ -277,7 +282,7 @@ def main(argv: list[str] | None = None) -> dict:
         unknown = sorted(set(args.variants) - set(VARIANTS))
         if unknown:
             p.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
-        names = ("DiLoCo", *[v for v in args.variants if v != "DiLoCo"])
+        names = tuple(dict.fromkeys(["DiLoCo", *args.variants]))
     print("[consensus] matrices (M = 8, 32) ...", flush=True)
     matrices = matrix_study()
     for row in matrices:
@@ -286,6 +291,14 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{row['ratio_per_round']:.3f} (max {row['max_ratio']:.3f})", flush=True)
     data = _data(args.quick)
     training = {}
+    config = {"workers": WORKERS, "sync_every": H, "rounds": rounds, "batch": BATCH, "block": BLOCK, **MODEL,
+              "inner_lr": INNER_LR, "outer_lr": OUTER_LR, "outer_momentum": OUTER_MOMENTUM}
+    earlier = args.out / ("consensus_quick.json" if args.quick else "consensus.json")
+    if args.variants and "DiLoCo" not in args.variants and earlier.exists():
+        old = json.loads(earlier.read_text())
+        if old.get("config") == config and "DiLoCo" in old["training"]:  # the baseline of the same job: reuse it
+            training["DiLoCo"] = old["training"]["DiLoCo"]
+            names = tuple(n for n in names if n != "DiLoCo")
     for name in names:
         print(f"[consensus] {name}: {rounds} rounds ...", flush=True)
         training[name] = train_variant(name, VARIANTS[name], rounds, data, args.eval_every)
@@ -297,9 +310,7 @@ def main(argv: list[str] | None = None) -> dict:
     base = training["DiLoCo"]["summary"]["final_loss_average_model"]
     for res in training.values():
         res["summary"]["loss_vs_diloco"] = res["summary"]["final_loss_average_model"] / base - 1
-    results = {"config": {"workers": WORKERS, "sync_every": H, "rounds": rounds, "batch": BATCH, "block": BLOCK,
-                          **MODEL, "inner_lr": INNER_LR, "outer_lr": OUTER_LR, "outer_momentum": OUTER_MOMENTUM},
-               "matrices": matrices, "training": training}
+    results = {"config": config, "matrices": matrices, "training": training}
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "consensus_quick" if args.quick else "consensus"
     previous = args.out / f"{stem}.json"
