@@ -146,10 +146,12 @@ class Pipeline:
     ``loss_fn`` a mean over its microbatch, the gradients left in ``stage_module``'s ``.grad`` equal those of the
     unsplit model's mean loss over the whole batch (each microbatch's loss is divided by ``n_microbatches`` before
     its backward, so gradients accumulate into ``.grad`` like a plain ``loss.backward()``: zero them between steps).
+    The schedule infers the shapes crossing the stage boundaries from the first batch (and again after each switch
+    between :meth:`step` and :meth:`eval_loss`), so batches of one kind must keep one shape.
 
     Faults: every stage-to-stage transfer has the mesh's ``timeout``. A dead neighbour makes the transfer fail at
     once, a hung or stopped one after ``timeout`` seconds; either way :meth:`step` raises :class:`PipelineError`
-    naming the neighbour's rank, and this pipeline cannot be used again (its group's connections are closed). Other
+    naming the lost rank, and this pipeline cannot be used again (its group's connections are closed). Other
     replicas are not affected: their pipelines use other groups, and gossip with this replica's ranks fails and is
     counted like any failed exchange. Errors raised by the model itself (forward, backward, loss) propagate
     unchanged. In a pipeline of more than two stages every stage of the replica stops, each naming the rank that
