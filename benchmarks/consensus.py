@@ -5,8 +5,9 @@ Run from the repository root::
     python -m benchmarks.consensus                  # the full study (about 15-20 minutes on 2 cores)
     python -m benchmarks.consensus --quick          # 30 rounds, fewer variants: a smoke run
 
-1. **Training** (the example GPT on the bundled corpus, 4 workers, H = 5, 100 outer rounds, AdamW inner, Nesterov
-   outer lr 0.7 / momentum 0.9, DiLoCo's long-run setting). The workers are threads of this process talking
+1. **Training** (the example GPT, 2 layers of width 64, on the bundled corpus, 4 workers, batches of 16 × 64
+   tokens, H = 5, 100 outer rounds, AdamW inner at lr 3e-3 with clipping at 1.0, Nesterov outer lr 0.7 / momentum
+   0.9, DiLoCo's long-run setting). The workers are threads of this process talking
    through :class:`fgdiloco.LocalHub` and run the real :class:`fgdiloco.FGDiLoCo` wrapper; every variant starts
    from the same weights and sees the same batches. Variants: DiLoCo (``topology="allreduce"``), FG-DiLoCo with
    the dense codec and with the default low-rank codec (``LowRank(rank=4)``, int8), ``mix2_rounds`` ∈ {0, 1, 2},
@@ -44,9 +45,9 @@ from fgdiloco.pretrain.model import GPT, GPTConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
-WORKERS, H, BATCH, BLOCK = 4, 5, 8, 64
+WORKERS, H, BATCH, BLOCK = 4, 5, 16, 64
 MODEL = dict(n_layer=2, n_head=2, n_embd=64)
-INNER_LR, OUTER_LR, OUTER_MOMENTUM = 1e-3, 0.7, 0.9
+INNER_LR, GRAD_CLIP, OUTER_LR, OUTER_MOMENTUM = 3e-3, 1.0, 0.7, 0.9  # the pretrain job's inner lr and clipping
 
 VARIANTS: dict[str, dict] = {
     "DiLoCo": dict(topology="allreduce", codec="dense", mix1_codec="dense"),
@@ -147,6 +148,7 @@ def train_variant(name: str, knobs: dict, rounds: int, data: tuple, eval_every: 
                 for _ in range(H):
                     x, y = sample_batch(train, BATCH, BLOCK, g)
                     model(x, y)[1].backward()
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
                     opt.step()
                     opt.zero_grad()
                 s = opt.last_round
@@ -292,7 +294,7 @@ def main(argv: list[str] | None = None) -> dict:
     data = _data(args.quick)
     training = {}
     config = {"workers": WORKERS, "sync_every": H, "rounds": rounds, "batch": BATCH, "block": BLOCK, **MODEL,
-              "inner_lr": INNER_LR, "outer_lr": OUTER_LR, "outer_momentum": OUTER_MOMENTUM}
+              "inner_lr": INNER_LR, "grad_clip": GRAD_CLIP, "outer_lr": OUTER_LR, "outer_momentum": OUTER_MOMENTUM}
     earlier = args.out / ("consensus_quick.json" if args.quick else "consensus.json")
     if args.variants and "DiLoCo" not in args.variants and earlier.exists():
         old = json.loads(earlier.read_text())
