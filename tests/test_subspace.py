@@ -48,7 +48,7 @@ def _plain_forward(fixture: dict) -> dict:
         param_sum=float(sum(p.detach().double().sum() for p in params)),
         param_sq=float(sum((p.detach().double() ** 2).sum() for p in params)),
         num_parameters=model.num_parameters(),
-        loss=float(loss),
+        loss=float(loss.detach()),
         logits_head=logits[0, :3, :6].tolist(),
         logits_sq=float((logits.detach().double() ** 2).sum()),
         grad_norm=float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params))),
@@ -531,3 +531,23 @@ def test_fgdiloco_synchronises_parameters_only_and_leaves_the_basis_alone(tmp_pa
             "E_fix": hashlib.sha256(fixed_embedding(64, 32, 5).numpy().tobytes()).hexdigest()}
     assert a["buffers"] == b["buffers"] and a["buffers"]
     assert all(h == want[n.rsplit(".", 1)[1]] for n, h in a["buffers"].items())
+
+
+@pytest.mark.parametrize("k", [None, 8])
+def test_benchmark_two_stage_step_matches_the_unsplit_model_and_counts_what_crosses(k):
+    from benchmarks.subspace import two_stage_step
+
+    torch.manual_seed(0)
+    m = _perturb(GPT(CFG, subspace_rank=k))
+    idx, tgt = _batch()
+    loss = m(idx, tgt)[1]
+    loss.backward()
+    want = {n: p.grad.clone() for n, p in m.named_parameters()}
+    m.zero_grad()
+    codec = None if k is None else m.subspace_codec()
+    got, fwd, bwd = two_stage_step(m, idx, tgt, codec, cut=2)
+    assert got == pytest.approx(float(loss), rel=1e-6)
+    per_token = CFG.n_embd if k is None else k
+    assert fwd == bwd == idx.numel() * per_token * 4
+    for n, p in m.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-4, atol=1e-6, msg=n)
