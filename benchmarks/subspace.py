@@ -2,7 +2,8 @@
 
 Run from the repository root::
 
-    python -m benchmarks.subspace                  # unconstrained vs k = d/4, d/8, d/16 (a few minutes)
+    python -m benchmarks.subspace                  # unconstrained vs k = d/4, d/8, d/16, 2 seeds
+    python -m benchmarks.subspace --seeds 0        # one seed: half the time
     python -m benchmarks.subspace --steps 40       # smoke run
 
 The example GPT (``fgdiloco pretrain``'s architecture: 4 pre-norm blocks, d = 128, 4 heads, the bundled corpus
@@ -18,10 +19,12 @@ step and boundary, fp32, against the uncompressed boundary in fp32 and in bf16; 
 reads the batch; with int32 ids sent along, add 4 bytes per token forward: the ``ratio_fp32_with_ids`` column).
 
 Reported per variant: held-out loss at equal tokens (mean over fixed validation batches, at the end and along the
-way), its ratio to the unconstrained run, bytes per step, the ratios, trainable parameters, wall time per step (on
-a shared machine: indicative only) and the largest out-of-subspace component of the residual stream at any block
-boundary at the end (float rounding only). Results go to ``benchmarks/results/subspace.json``; the README quotes
-the table. The 2 replicas x 2 stages version over ``fgdiloco``'s pipeline comes with the pipeline.
+way; per seed and the mean over seeds), its ratio to the unconstrained run (of the means, and per seed: at this
+token budget the seed-to-seed spread is of the order of the effect, so look at both), bytes per step, the ratios,
+trainable parameters, wall time per step (on a shared machine: indicative only), the process's CPU time, and the
+largest out-of-subspace component of the residual stream at any block boundary at the end (float rounding only).
+Results go to ``benchmarks/results/subspace.json``; the README quotes the table. The 2 replicas x 2 stages
+version over ``fgdiloco``'s pipeline comes with the pipeline.
 """
 
 from __future__ import annotations
@@ -163,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
                   warmup_steps=min(base.warmup_steps, max(args.steps // 10, 1))).validate()
     data = load_data(cfg, args.eval_batches)  # the validation batches are the same for every seed
     ranks: list[int | None] = [None] + [cfg.n_embd // q for q in args.divisors]
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     runs: dict[int | None, list[dict]] = {k: [] for k in ranks}
     for seed in args.seeds:
         for k in ranks:
@@ -193,6 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
                    "threads": args.threads},
         "unigram_loss": data["unigram"],
         "seconds_total": time.perf_counter() - t0,
+        "cpu_seconds_total": time.process_time() - cpu0,
         "note": "single process, two simulated stages; wall times measured on a shared 2-core machine under load",
         "variants": variants,
     }

@@ -132,7 +132,7 @@ class GPT(nn.Module):
     ``Z_pos[p]``), which keeps the stream in the subspace. ``Z`` is initialised as the projection ``UᵀW`` of the
     plain initialisation (same std), so ``subspace_rank=n_embd`` spans exactly the plain model's function class
     (:meth:`load_plain` maps a plain model's weights in; for ``k < d`` it gives the orthogonal projection).
-    ``subspace_rank=None`` is the plain model, bit for bit.
+    ``subspace_rank=None`` is the plain model, unchanged (the same code path; pinned by a numeric fixture).
 
     Args:
         config: the sizes (:class:`GPTConfig`).
@@ -243,8 +243,8 @@ class SubspaceLinear(nn.Module):
     """``y ↦ U (dropout(Z y + z_b))``: a linear map that writes only into ``span(U)``.
 
     ``Z`` is ``weight`` (``k × in_features``), ``z_b`` is ``bias`` (``k``; optional), ``U`` the ``d × k`` buffer.
-    Input ``[..., in_features]``, output ``[..., d]``. Same cost as the ``in → d`` linear it replaces when
-    ``k = d``, less below. Dropout (``p``) acts on the k coefficients so the output stays in ``span(U)``.
+    Input ``[..., in_features]``, output ``[..., d]``; ``in·k + k·d`` multiply-adds per token (the plain linear:
+    ``in·d``). Dropout (``p``) acts on the k coefficients so the output stays in ``span(U)``.
     """
 
     def __init__(self, in_features: int, U: torch.Tensor, bias: bool = True, dropout: float = 0.0):
