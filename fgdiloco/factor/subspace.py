@@ -322,15 +322,16 @@ class SubspaceCodec:
     do not travel (every stage reads the batch); a pipeline that sends them adds ``batch·seq`` ids forward.
 
     Args:
-        basis: the :class:`SubspaceBasis` (``U``, ``d × k``), or a ``[d, k]`` tensor with orthonormal columns.
+        basis: the :class:`SubspaceBasis` (``U``, ``d × k``), or a ``[d, k]`` tensor with orthonormal columns
+            (checked: ``max |UᵀU − I|`` at most 10x :func:`default_tolerance` of its dtype).
         token_embedding: ``E_fix``, ``[vocab, d]`` floating tensor (frozen; e.g. :func:`fixed_embedding`).
         check: measure the out-of-subspace residual in :meth:`compress` / :meth:`boundary_out` and raise above
             ``tol``.
         tol: the largest allowed ``Residual.max_relative``; None: :func:`default_tolerance` of ``x``'s dtype.
 
     Raises:
-        TypeError, ValueError: ``token_embedding`` not a floating ``[vocab, d]`` tensor for the basis's d, ``tol``
-            not a finite number > 0.
+        TypeError, ValueError: ``basis`` without orthonormal columns, ``token_embedding`` not a floating
+            ``[vocab, d]`` tensor for the basis's d, ``tol`` not a finite number > 0.
     """
 
     def __init__(self, basis: SubspaceBasis | torch.Tensor, token_embedding: torch.Tensor, *, check: bool = True,
@@ -339,6 +340,12 @@ class SubspaceCodec:
             basis = SubspaceBasis.from_tensor(basis)
         if not isinstance(basis, SubspaceBasis):
             raise TypeError(f"basis must be a SubspaceBasis or a [d, k] tensor, got {type(basis).__name__}")
+        with torch.no_grad():
+            u = basis.U.detach().to(torch.float64)
+            gram_error = float((u.T @ u - torch.eye(basis.k, dtype=torch.float64, device=u.device)).abs().max())
+        if not gram_error <= 10 * default_tolerance(basis.dtype):
+            raise ValueError(f"basis must have orthonormal columns (UᵀU = I): max |UᵀU − I| is {gram_error:.3g}; "
+                             f"build it with SubspaceBasis / orthonormal_basis")
         if not isinstance(token_embedding, torch.Tensor) or token_embedding.dim() != 2 \
                 or not token_embedding.is_floating_point() or token_embedding.shape[1] != basis.d:
             shape = tuple(token_embedding.shape) if isinstance(token_embedding, torch.Tensor) else None
