@@ -1,12 +1,24 @@
-"""Compression of gossip payloads: codecs, error feedback and checked wire frames (DESIGN §3)."""
+"""Compression of gossip payloads (codecs, error feedback, checked wire frames: DESIGN §3) and of activations
+between pipeline stages (subspace codec: DESIGN §4)."""
 
 from .codec import BF16, Codec, CodecError, Dense, codec_from_id, register_codec, resolve_codec
 from .frame import HEADER_SIZE, FrameError, decode_frame, encode_frame, layout_fingerprint
 from .lowrank import LowRank
 from .quantize import Int8, dequantize_int8, quantize_int8
+from .subspace import (
+    BoundaryIn,
+    BoundaryOut,
+    SubspaceBasis,
+    SubspaceCodec,
+    SubspaceError,
+    fixed_embedding,
+    orthonormal_basis,
+)
 
 __all__ = [
     "BF16",
+    "BoundaryIn",
+    "BoundaryOut",
     "Codec",
     "CodecError",
     "Dense",
@@ -14,11 +26,16 @@ __all__ = [
     "HEADER_SIZE",
     "Int8",
     "LowRank",
+    "SubspaceBasis",
+    "SubspaceCodec",
+    "SubspaceError",
     "codec_from_id",
     "decode_frame",
     "dequantize_int8",
     "encode_frame",
+    "fixed_embedding",
     "layout_fingerprint",
+    "orthonormal_basis",
     "quantize_int8",
     "register_codec",
     "resolve_codec",

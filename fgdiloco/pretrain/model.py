@@ -3,6 +3,10 @@
 Pre-norm blocks of causal self-attention (``scaled_dot_product_attention(is_causal=True)``) and a 4x GELU MLP,
 learned position embeddings, the token embedding tied to the output head, and GPT-2's initialisation (normal
 0.02, residual projections scaled by ``1/sqrt(2 * n_layer)``).
+
+``GPT(config, subspace_rank=k)`` is the same network reparametrised after Ramasinghe et al., "Subspace Networks"
+(arXiv 2506.01260) so that its residual stream stays in ``E_fix[tokens] + span(U)`` exactly and can cross a
+pipeline-stage boundary as k numbers per token (:mod:`fgdiloco.factor.subspace`); see :class:`GPT`.
 """
 
 from __future__ import annotations
@@ -15,7 +19,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPT", "GPTConfig", "GPTStage", "lm_loss"]
+from ..factor.subspace import (
+    Residual,
+    SubspaceBasis,
+    SubspaceCodec,
+    SubspaceError,
+    default_tolerance,
+    fixed_embedding,
+    orthonormal_basis,
+)
+
+__all__ = ["GPT", "GPTConfig", "GPTStage", "SubspaceLinear", "SubspacePositionEmbedding", "SubspaceTiedHead",
+           "SubspaceTokenEmbedding", "lm_loss"]
 
 
 @dataclass
@@ -98,10 +113,40 @@ class GPT(nn.Module):
     ``forward(idx, targets=None)`` takes token ids ``[B, T]`` (``T <= block_size``) and returns
     ``(logits [B, T, vocab_size], loss)``, where ``loss`` is the mean next-token cross-entropy in nats against
     ``targets`` (``[B, T]``), or ``None`` without targets.
+
+    **Subspace option** (``subspace_rank=k``; Ramasinghe et al., "Subspace Networks", arXiv 2506.01260). Every
+    write into the residual stream goes through one fixed orthonormal basis ``U`` (``d × k``, ``d = n_embd``,
+    seeded by ``subspace_seed``, identical on every process):
+
+    * attention and MLP output projections: ``W = U Z`` with ``Z`` trainable (``k × in``), bias ``U z_b``
+      (:class:`SubspaceLinear`; the parameters keep their names ``c_proj.weight`` / ``c_proj.bias``);
+    * position embedding ``U Z_pos`` (``Z_pos``: ``block_size × k``);
+    * token embedding ``E_fix + Z_tok Uᵀ`` with ``E_fix`` (``vocab × d``) a frozen seeded ``N(0, 0.02²)`` table
+      carrying the token-specific part in all d dimensions, ``Z_tok`` (``vocab × k``) trainable, zero at
+      initialisation (so the initial embedding is distributed as the plain model's); the tied output head uses
+      the same combined embedding.
+
+    So after the embedding and after every block, ``x = E_fix[tokens] + U c`` exactly (to float rounding:
+    :meth:`subspace_residual`, :meth:`check_subspace`), and :meth:`subspace_codec` gives the codec that sends
+    ``c``. ``U`` and ``E_fix`` are buffers (in ``state_dict``, never parameters): no optimizer, gossip or
+    pseudo-gradient sees them. Dropout acts on the trainable coefficients (``Z``'s outputs, ``Z_tok[t]``,
+    ``Z_pos[p]``), which keeps the stream in the subspace. ``Z`` is initialised as the projection ``UᵀW`` of the
+    plain initialisation (same std), so ``subspace_rank=n_embd`` spans exactly the plain model's function class
+    (:meth:`load_plain` maps a plain model's weights in; for ``k < d`` it gives the orthogonal projection).
+    ``subspace_rank=None`` is the plain model, unchanged (the same code path; pinned by a numeric fixture).
+
+    Args:
+        config: the sizes (:class:`GPTConfig`).
+        subspace_rank: k, the rank of the residual-stream subspace (int in [1, n_embd]), or None (plain model).
+        subspace_seed: seed of ``U`` and ``E_fix`` (int in [0, 2**63)); every stage and replica must share it.
+
+    Raises:
+        TypeError, ValueError: ``subspace_rank`` or ``subspace_seed`` out of range (before anything is built).
     """
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, subspace_rank: int | None = None, subspace_seed: int = 0):
         super().__init__()
+        _check_subspace_args(config, subspace_rank, subspace_seed)
         self.config = config
         self.transformer = nn.ModuleDict(
             dict(
@@ -118,6 +163,10 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        self.subspace_rank = subspace_rank
+        self.subspace_seed = subspace_seed
+        if subspace_rank is not None:
+            _reparametrise(self, subspace_rank, subspace_seed)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -189,6 +238,246 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
         return logits, loss
 
+    # ------------------------------------------------------------------------------------------ subspace option
+    def subspace_codec(self, *, check: bool = True, tol: float | None = None) -> SubspaceCodec:
+        """The activation codec of this model's subspace (its ``U`` and ``E_fix`` buffers, not copied).
+
+        Raises:
+            RuntimeError: the model was built without ``subspace_rank``.
+        """
+        return _subspace_codec(self, check=check, tol=tol)
+
+    def subspace_residual(self, idx: torch.Tensor) -> list[tuple[str, Residual]]:
+        """Run ``idx`` (``[B, T]``) forward without gradients and measure the residual stream's component outside
+        ``E_fix[idx] + span(U)`` at every block boundary: ``[("embedding", r), ("block 0", r), ...]`` (the input
+        of block 0, then the output of each block), each a :class:`~fgdiloco.factor.subspace.Residual`.
+
+        Raises:
+            RuntimeError: the model was built without ``subspace_rank``.
+        """
+        return _subspace_residual(self, idx)
+
+    def check_subspace(self, idx: torch.Tensor, tol: float | None = None) -> list[tuple[str, Residual]]:
+        """:meth:`subspace_residual`, raising :class:`~fgdiloco.factor.subspace.SubspaceError` naming the first
+        boundary whose out-of-subspace component exceeds ``tol`` (default: float rounding of the stream's dtype),
+        e.g. after a user replaced a projection with a module that writes outside ``span(U)``."""
+        return _check_subspace(self, idx, tol)
+
+    def load_plain(self, plain: GPT | dict[str, torch.Tensor]) -> None:
+        """Load a plain GPT's weights (a :class:`GPT` built without ``subspace_rank`` or its ``state_dict``) into
+        this reparametrised one: every residual-stream write is projected onto ``span(U)`` (``Z = UᵀW``,
+        ``z_b = Uᵀb``, ``Z_pos = W_pos U``, ``Z_tok = (W_tok − E_fix) U``), everything else is copied. Exact for
+        ``subspace_rank = n_embd`` (same logits), the orthogonal projection otherwise.
+
+        Raises:
+            RuntimeError: this model was built without ``subspace_rank``.
+            ValueError: ``plain`` does not have this model's configuration.
+        """
+        _load_plain(self, plain)
+
+
+# ---------------------------------------------------------------------------------------------- subspace option
+# The subspace reparametrisation (GPT(..., subspace_rank=k)) is self-contained below: the GPT above only calls
+# _check_subspace_args / _reparametrise at construction and delegates its subspace methods here.
+
+
+class SubspaceLinear(nn.Module):
+    """``y ↦ U (dropout(Z y + z_b))``: a linear map that writes only into ``span(U)``.
+
+    ``Z`` is ``weight`` (``k × in_features``), ``z_b`` is ``bias`` (``k``; optional), ``U`` the ``d × k`` buffer.
+    Input ``[..., in_features]``, output ``[..., d]``; ``in·k + k·d`` multiply-adds per token (the plain linear:
+    ``in·d``). Dropout (``p``) acts on the k coefficients so the output stays in ``span(U)``.
+    """
+
+    def __init__(self, in_features: int, U: torch.Tensor, bias: bool = True, dropout: float = 0.0):
+        super().__init__()
+        d, k = U.shape
+        self.in_features, self.d, self.k = in_features, d, k
+        self.weight = nn.Parameter(torch.empty(k, in_features))
+        self.bias = nn.Parameter(torch.zeros(k)) if bias else None
+        self.register_buffer("U", U)
+        self.dropout = nn.Dropout(dropout)
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        return self.dropout(F.linear(y, self.weight, self.bias)) @ self.U.T
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, d={self.d}, k={self.k}, bias={self.bias is not None}"
+
+
+class SubspaceTokenEmbedding(nn.Module):
+    """Token embedding ``E_fix + Z_tok Uᵀ``: ``forward(idx [...]) -> E_fix[idx] + U dropout(Z_tok[idx])``
+    (``[..., d]``). ``weight`` is ``Z_tok`` (``vocab × k``, trainable); ``E_fix`` (``vocab × d``) and ``U``
+    (``d × k``) are buffers."""
+
+    def __init__(self, E_fix: torch.Tensor, U: torch.Tensor, dropout: float = 0.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(E_fix.shape[0], U.shape[1]))
+        self.register_buffer("E_fix", E_fix)
+        self.register_buffer("U", U)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return F.embedding(idx, self.E_fix) + self.dropout(F.embedding(idx, self.weight)) @ self.U.T
+
+    def extra_repr(self) -> str:
+        return f"vocab_size={self.E_fix.shape[0]}, d={self.U.shape[0]}, k={self.U.shape[1]}"
+
+
+class SubspacePositionEmbedding(nn.Module):
+    """Position embedding ``U Z_pos``: ``forward(pos [T]) -> U dropout(Z_pos[pos])`` (``[T, d]``). ``weight`` is
+    ``Z_pos`` (``block_size × k``, trainable); ``U`` a buffer."""
+
+    def __init__(self, block_size: int, U: torch.Tensor, dropout: float = 0.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(block_size, U.shape[1]))
+        self.register_buffer("U", U)
+        self.dropout = nn.Dropout(dropout)
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, pos: torch.Tensor) -> torch.Tensor:
+        return self.dropout(F.embedding(pos, self.weight)) @ self.U.T
+
+
+class SubspaceTiedHead(nn.Module):
+    """Output head tied to a :class:`SubspaceTokenEmbedding`: ``h [..., d] -> h (E_fix + Z_tok Uᵀ)ᵀ`` (logits
+    ``[..., vocab]``), computed as ``h E_fixᵀ + (h U) Z_tokᵀ``. ``weight`` is the embedding's ``Z_tok`` Parameter
+    (shared, as in the plain model's tying); ``E_fix`` and ``U`` are the embedding's buffers."""
+
+    def __init__(self, embedding: SubspaceTokenEmbedding):
+        super().__init__()
+        self.weight = embedding.weight
+        self.register_buffer("E_fix", embedding.E_fix)
+        self.register_buffer("U", embedding.U)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.E_fix) + F.linear(h @ self.U, self.weight)
+
+
+def _check_subspace_args(config: GPTConfig, subspace_rank: int | None, subspace_seed: int) -> None:
+    if subspace_rank is not None:
+        if isinstance(subspace_rank, bool) or not isinstance(subspace_rank, int):
+            raise TypeError(f"subspace_rank must be None or an int in [1, n_embd={config.n_embd}], got "
+                            f"{type(subspace_rank).__name__}")
+        if not 1 <= subspace_rank <= config.n_embd:
+            raise ValueError(f"subspace_rank must be None or an int in [1, n_embd={config.n_embd}], got "
+                             f"{subspace_rank}")
+    if isinstance(subspace_seed, bool) or not isinstance(subspace_seed, int):
+        raise TypeError(f"subspace_seed must be an int in [0, 2**63), got {type(subspace_seed).__name__}")
+    if not 0 <= subspace_seed < 1 << 63:
+        raise ValueError(f"subspace_seed must be an int in [0, 2**63), got {subspace_seed}")
+
+
+def _reparametrise(gpt: GPT, k: int, seed: int) -> None:
+    """Swap every residual-stream writer of a freshly built plain ``gpt`` for its subspace form (see :class:`GPT`).
+    New parameters are drawn from the global RNG (after the plain initialisation), ``U`` / ``E_fix`` from their
+    own seeded generators."""
+    cfg = gpt.config
+    U = orthonormal_basis(cfg.n_embd, k, seed)
+    E_fix = fixed_embedding(cfg.vocab_size, cfg.n_embd, seed, std=0.02)
+    t = gpt.transformer
+    t.wte = SubspaceTokenEmbedding(E_fix, U, cfg.dropout)
+    t.wpe = SubspacePositionEmbedding(cfg.block_size, U, cfg.dropout)
+    t.drop = nn.Identity()  # embedding dropout acts on the coefficients inside wte / wpe
+    gpt.lm_head = SubspaceTiedHead(t.wte)
+    std = 0.02 / math.sqrt(2 * cfg.n_layer)
+    for block in t.h:
+        block.attn.c_proj = SubspaceLinear(cfg.n_embd, U, dropout=cfg.dropout)
+        block.attn.resid_dropout = nn.Identity()
+        block.mlp.c_proj = SubspaceLinear(4 * cfg.n_embd, U, dropout=cfg.dropout)
+        block.mlp.dropout = nn.Identity()
+        for proj in (block.attn.c_proj, block.mlp.c_proj):
+            nn.init.normal_(proj.weight, mean=0.0, std=std)
+
+
+def _require_subspace(gpt: GPT) -> SubspaceTokenEmbedding:
+    wte = gpt.transformer.wte
+    if gpt.subspace_rank is None or not isinstance(wte, SubspaceTokenEmbedding):
+        raise RuntimeError("this GPT was built without subspace_rank: it has no residual-stream subspace "
+                           "(build it as GPT(config, subspace_rank=k))")
+    return wte
+
+
+def _subspace_codec(gpt: GPT, *, check: bool, tol: float | None) -> SubspaceCodec:
+    wte = _require_subspace(gpt)
+    return SubspaceCodec(SubspaceBasis.from_tensor(wte.U, gpt.subspace_seed), wte.E_fix, check=check, tol=tol)
+
+
+def _subspace_residual(gpt: GPT, idx: torch.Tensor) -> list[tuple[str, Residual]]:
+    codec = _subspace_codec(gpt, check=False, tol=None)
+    streams: list[tuple[str, torch.Tensor]] = []
+    blocks = gpt.transformer.h
+    hooks = [blocks[0].register_forward_pre_hook(lambda m, args: streams.append(("embedding", args[0])))]
+    for i, block in enumerate(blocks):
+        hooks.append(block.register_forward_hook(lambda m, args, out, i=i: streams.append((f"block {i}", out))))
+    try:
+        with torch.no_grad():
+            gpt(idx)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [(where, codec.residual(x, idx)) for where, x in streams]
+
+
+def _check_subspace(gpt: GPT, idx: torch.Tensor, tol: float | None) -> list[tuple[str, Residual]]:
+    codec = _subspace_codec(gpt, check=True, tol=tol)
+    found = _subspace_residual(gpt, idx)
+    for where, res in found:
+        limit = codec.tol if codec.tol is not None else default_tolerance(gpt.transformer.wte.E_fix.dtype)
+        if not res.max_relative <= limit:
+            raise SubspaceError(
+                f"the residual stream after {where} is outside E_fix[tokens] + span(U): out-of-subspace component "
+                f"{res.max_relative:.3g} of ‖x‖ (per token, max) exceeds the tolerance {limit:.3g}. A module in or "
+                f"before {where} writes into the residual stream without going through U (every write must be "
+                f"U·(something), e.g. SubspaceLinear); the stream cannot be compressed to k={gpt.subspace_rank} "
+                f"coefficients there")
+    return found
+
+
+def _load_plain(gpt: GPT, plain: GPT | dict[str, torch.Tensor]) -> None:
+    wte = _require_subspace(gpt)
+    state = plain.state_dict() if isinstance(plain, nn.Module) else dict(plain)
+    if isinstance(plain, GPT) and plain.subspace_rank is not None:
+        raise ValueError("plain must be a GPT built without subspace_rank (or its state_dict)")
+    U = wte.U.detach().double()
+    E_fix = wte.E_fix.detach().double()
+    own = gpt.state_dict()
+    projected: dict[str, torch.Tensor] = {}
+    frozen: set[str] = set()
+    for name, module in gpt.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(module, (SubspaceLinear, SubspaceTokenEmbedding, SubspacePositionEmbedding,
+                               SubspaceTiedHead)):
+            frozen.update(f"{prefix}{b}" for b, _ in module.named_buffers(recurse=False))
+            w = state.get(f"{prefix}weight")
+            if w is None:
+                raise ValueError(f"plain has no {prefix}weight: not a GPT state_dict of this configuration")
+            w = w.detach().double()
+            rows = module.in_features if isinstance(module, SubspaceLinear) else module.weight.shape[0]
+            want = (module.d, rows) if isinstance(module, SubspaceLinear) else (rows, U.shape[0])
+            if tuple(w.shape) != want:
+                raise ValueError(f"plain does not match this GPT's configuration at {prefix}weight: expected "
+                                 f"{want}, got {tuple(w.shape)}")
+            if isinstance(module, SubspaceLinear):
+                projected[f"{prefix}weight"] = U.T @ w
+                if module.bias is not None:
+                    projected[f"{prefix}bias"] = U.T @ state[f"{prefix}bias"].detach().double()
+            elif isinstance(module, SubspacePositionEmbedding):
+                projected[f"{prefix}weight"] = w @ U
+            else:  # token embedding and the head tied to it
+                projected[f"{prefix}weight"] = (w - E_fix) @ U
+    merged = {}
+    for key, value in own.items():
+        if key in frozen:
+            merged[key] = value
+            continue
+        src = projected[key] if key in projected else state.get(key)
+        if src is None or src.shape != value.shape:
+            raise ValueError(f"plain does not match this GPT's configuration at {key}: expected "
+                             f"{tuple(value.shape)}, got {None if src is None else tuple(src.shape)}")
+        merged[key] = src.to(value.dtype)
+    gpt.load_state_dict(merged)
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy in nats of logits ``[B, T, V]`` against token ids ``[B, T]`` (the loss of
