@@ -1,4 +1,4 @@
-"""The analytic round model of benchmarks/simulate.py and its consensus study (fast: no training, no network)."""
+"""The analytic round model of fgdiloco.simulate and its consensus study (fast: no training, no network)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from benchmarks.simulate import (
+from fgdiloco.gossip.topology import make_topology
+from fgdiloco.simulate import (
     Network,
     Workload,
     contraction_matrices,
@@ -18,7 +19,6 @@ from benchmarks.simulate import (
     ring_allreduce_seconds,
     rounds_to,
 )
-from fgdiloco.gossip.topology import make_topology
 
 W = Workload(params=500_000, step_seconds=0.05, sync_every=20, mix1_bytes=700_000, mix2_bytes=25_000,
              outer_seconds=0.002)
@@ -125,7 +125,7 @@ def test_contraction_is_monotone_and_ring_is_slowest():
 
 
 def test_halving_doubling_latency_grows_with_log_m():
-    from benchmarks.simulate import allreduce_seconds
+    from fgdiloco.simulate import allreduce_seconds
 
     net = Network(math.inf, latency_s=0.001)
     assert math.isclose(allreduce_seconds(1e6, 1024, net, "halving_doubling"), 2 * 10 * 0.001)
