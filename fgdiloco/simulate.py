@@ -758,7 +758,8 @@ def print_report(res: dict[str, Any]) -> None:
     console.print(t)
     cons = res["consensus"]
     ms = [8, 64, 256, 1024]
-    t = Table(title=f"gossip rounds to {cons['eps']:g} relative disagreement (~: extrapolated)", title_justify="left")
+    t = Table(title=f"gossip rounds to {cons['eps']:g} relative disagreement", caption="~: extrapolated",
+              title_justify="left", caption_justify="left")
     t.add_column("topology")
     for m in ms:
         t.add_column(f"M = {m}", justify="right")

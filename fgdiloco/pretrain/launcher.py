@@ -45,12 +45,16 @@ __all__ = [
     "usable_cores",
 ]
 
-#: Resident memory of one idle worker process: Python, torch, numpy, tokenizers and a Gloo group (measured with
-#: ``ru_maxrss`` on a 1-layer, 32-wide model: about 330 MB with torch 2.13 CPU); the model's share is added.
-WORKER_BASE_BYTES = 350 * 2**20
+#: Resident memory of a worker before its model: Python, torch, numpy, tokenizers and a Gloo group.
+WORKER_BASE_BYTES = 330 * 2**20
 #: fp32 copies of the parameters a worker holds: weights, gradients, AdamW's two moments, FG-DiLoCo's
 #: round-start snapshot, outer momentum, Mix1 / Mix2 buffers and the codec's error feedback, rounded up.
 PARAM_COPIES = 12
+#: Factor on the counted model, activation and token bytes for what the count misses (temporaries of the
+#: backward pass, allocator slack). With it the estimate is 5-10 % above the peak ``ru_maxrss`` measured here
+#: (torch 2.13 CPU): 325 MiB for a 1-layer, 32-wide model (estimate 338 MiB); 665 MiB for the default
+#: 4-layer, 128-wide model with batch 16 x 128 (estimate 730 MiB).
+MODEL_SLACK = 2.0
 
 
 class PreflightError(ValueError):
@@ -64,9 +68,9 @@ class PreflightError(ValueError):
 class WorkerFailed(RuntimeError):
     """A worker process failed. ``reason``: the root cause in one line; ``rank``; ``log``: its stderr file."""
 
-    def __init__(self, rank: int, reason: str, log: Path | None):
+    def __init__(self, rank: int, reason: str, log: Path | None, traceback: bool = True):
         self.rank, self.reason, self.log = rank, reason, log
-        where = f" (traceback in {log})" if log is not None else ""
+        where = "" if log is None else f" (traceback in {log})" if traceback else f" (its log: {log})"
         super().__init__(f"worker {rank}: {reason}{where}")
 
 
@@ -144,15 +148,15 @@ def available_memory_bytes() -> int | None:
 def estimate_worker_bytes(cfg: TrainConfig, vocab_size: int, n_tokens: int) -> int:
     """Resident memory one worker needs at its peak (bytes), an estimate from the configuration.
 
-    ``WORKER_BASE_BYTES`` + ``PARAM_COPIES`` fp32 copies of the parameters + the activations of one step
-    (forward and backward) + the token ids (int32 broadcast buffer and int64 copy).
+    ``WORKER_BASE_BYTES`` + ``MODEL_SLACK`` x (``PARAM_COPIES`` fp32 copies of the parameters + the activations
+    of one step, forward and backward + the token ids: int32 broadcast buffer and int64 copy).
     """
     d, n_layer, b, t = cfg.n_embd, cfg.n_layer, cfg.batch_size, cfg.block_size
     params = vocab_size * d + t * d + n_layer * 12 * d * d
     per_layer = b * t * (16 * d + 2 * cfg.n_head * t)  # residual, attention, MLP (4x) and their gradients
     logits = 3 * b * t * vocab_size  # logits, softmax, their gradient
     activations = 4 * (n_layer * per_layer + logits)
-    return WORKER_BASE_BYTES + 4 * PARAM_COPIES * params + activations + 12 * n_tokens
+    return int(WORKER_BASE_BYTES + MODEL_SLACK * (4 * PARAM_COPIES * params + activations + 12 * n_tokens))
 
 
 # ---------------------------------------------------------------------------------------------------- preflight
@@ -287,7 +291,7 @@ def _root_cause(err: Any, log_root: Path) -> WorkerFailed:
     raised = sorted(((r, f) for r, f in failures.items() if f.exitcode > 0 and f.error_file_data.get("message")),
                     key=lambda rf: rf[1].timestamp)
     rank, f = (killed or raised or sorted(failures.items(), key=lambda rf: rf[1].timestamp))[0]
-    return WorkerFailed(int(rank), reason(f), log_of(int(rank), f))
+    return WorkerFailed(int(rank), reason(f), log_of(int(rank), f), traceback=f.exitcode > 0)
 
 
 def launch(cfg: TrainConfig, *, on_row: Callable[[dict[str, Any]], Any] | None = None,
@@ -333,13 +337,13 @@ def launch(cfg: TrainConfig, *, on_row: Callable[[dict[str, Any]], Any] | None =
     saved_signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    elastic_log = logging.getLogger("torch.distributed.elastic")
     handler = logging.FileHandler(log_root / "launcher.log", encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    saved_log = (elastic_log.propagate, elastic_log.level, list(elastic_log.handlers))
-    elastic_log.handlers = [handler]
-    elastic_log.propagate = False
-    elastic_log.setLevel(logging.INFO)
+    loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing")]
+    saved_log = [(lg.propagate, lg.level, list(lg.handlers)) for lg in loggers]
+    for lg in loggers:  # torchelastic's own lines (closing signals, failures) go to the file, not the terminal
+        lg.handlers, lg.propagate = [handler], False
+        lg.setLevel(logging.INFO)
     stop = threading.Event()
     follower = _follow(out / "metrics.jsonl", on_row, stop) if on_row is not None else None
     try:
@@ -352,8 +356,9 @@ def launch(cfg: TrainConfig, *, on_row: Callable[[dict[str, Any]], Any] | None =
         stop.set()
         if follower is not None:
             follower.join(timeout=5)
-        elastic_log.handlers, elastic_log.propagate = saved_log[2], saved_log[0]
-        elastic_log.setLevel(saved_log[1])
+        for lg, (propagate, level, handlers) in zip(loggers, saved_log):
+            lg.handlers, lg.propagate = handlers, propagate
+            lg.setLevel(level)
         handler.close()
         for s, h in saved_signals.items():
             signal.signal(s, h)
