@@ -155,9 +155,10 @@ def add_pretrain_parser(subparsers: Any) -> argparse.ArgumentParser:
                         f"{d.out}-3, ... is used and named)%(default).0s")
     g.add_argument("--overwrite", action="store_true",
                    help="replace the results of an earlier run in --out (without it, a folder holding another "
-                        "run's results is refused)")
+                        "run's results is refused)%(default).0s")
     g.add_argument("--quiet", action="store_true",
-                   help="print only warnings, errors and the final summary (metrics.jsonl is written as always)")
+                   help="print only warnings, errors and the final summary (metrics.jsonl is written as "
+                        "always)%(default).0s")
     p.set_defaults(func=run_pretrain, subparser=p)
     return p
 
@@ -287,7 +288,9 @@ def run_pretrain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         display.close()
         if not (isinstance(e, KeyboardInterrupt) or type(e).__name__ == "SignalException"):
             raise
-        return _interrupted(out, display, finish_interrupted)
+        # 128 + the signal, as shells report it: 130 for Ctrl-C (SIGINT), 143 for SIGTERM
+        code = 128 + int(getattr(e, "sigval", 0) or 0) if not isinstance(e, KeyboardInterrupt) else EXIT_INTERRUPTED
+        return _interrupted(out, display, finish_interrupted, code)
     display.close()
     display.console.print(_summary_text(summary, out), markup=False)
     return 0
@@ -304,7 +307,7 @@ def _as_option(message: str) -> str:
     return f"--{head.replace('_', '-')} {rest}" if head in fields else message
 
 
-def _interrupted(out: Path, display: _Display, finish: Any) -> int:
+def _interrupted(out: Path, display: _Display, finish: Any, code: int = EXIT_INTERRUPTED) -> int:
     import signal
 
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the summary short
@@ -315,7 +318,7 @@ def _interrupted(out: Path, display: _Display, finish: Any) -> int:
     if summary is None:
         display.err.print(f"[fgdiloco] interrupted: stopped the workers before training started; kept only the "
                           f"worker logs in {out / 'logs'}", markup=False)
-        return EXIT_INTERRUPTED
+        return code
     rows = summary["rounds"]
     kept = ["metrics.jsonl", "summary.json (marked interrupted)" if summary["interrupted"] else "summary.json"]
     if (out / "loss.png").exists():
@@ -326,7 +329,7 @@ def _interrupted(out: Path, display: _Display, finish: Any) -> int:
                       f"{summary['steps_planned']}"
                       + (f", held-out loss {loss:.3f}" if loss is not None else "")
                       + f"): stopped the workers; kept in {out}: {', '.join(kept)}", markup=False)
-    return EXIT_INTERRUPTED
+    return code
 
 
 def _summary_text(s: dict[str, Any], out: Path) -> str:

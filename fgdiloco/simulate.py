@@ -793,7 +793,7 @@ def print_report(res: dict[str, Any]) -> None:
 
 def add_arguments(p: argparse.ArgumentParser, default_out: str | None = None) -> None:
     """The options of ``fgdiloco simulate`` (``default_out`` None: a fresh ``runs/simulate`` folder)."""
-    p.add_argument("--quick", action="store_true", help="fewer M in the consensus study")
+    p.add_argument("--quick", action="store_true", help="fewer M in the consensus study%(default).0s")
     p.add_argument("--bandwidth", type=float, default=100.0, help="Mbit/s for the utilisation-vs-M chart")
     p.add_argument("--latency-ms", type=float, default=1.0, help="one-way latency per message for the charts")
     p.add_argument("--validate-latency-ms", type=float, default=0.05,
@@ -807,4 +807,4 @@ def add_arguments(p: argparse.ArgumentParser, default_out: str | None = None) ->
     p.add_argument("--out", default=default_out, metavar="DIR",
                    help=f"output folder (default: {DEFAULT_OUT}, or a fresh {DEFAULT_OUT}-2, ... when it holds "
                         "earlier results)%(default).0s")
-    p.add_argument("--overwrite", action="store_true", help="replace earlier results in --out")
+    p.add_argument("--overwrite", action="store_true", help="replace earlier results in --out%(default).0s")

@@ -73,6 +73,10 @@ class TrainConfig:
 
     Run shape: ``workers`` replicas each take ``steps`` inner AdamW steps; every ``sync_every`` of them end an
     outer round (gossip). Tokens seen in total = ``workers * steps * batch_size * block_size``.
+
+    The defaults of the arguments that ``FGDiLoCo`` and ``LowRank`` also take are read from their signatures
+    (:func:`library_default`), so they follow the library; :data:`DEPARTURES` lists each exception and its
+    reason (``fgdiloco pretrain --help`` shows them).
     """
 
     # workers and the outer loop
