@@ -177,12 +177,12 @@ class _Display:
     """What the person at the terminal sees: rich spinners and a round bar on a terminal, plain lines otherwise
     (a pipe, a log file), nothing but warnings and the end with ``quiet``."""
 
-    def __init__(self, quiet: bool):
+    def __init__(self, quiet: bool, console: Any = None, err: Any = None):
         from rich.console import Console
 
         self.quiet = quiet
-        self.console = Console(highlight=False, soft_wrap=True)
-        self.err = Console(stderr=True, highlight=False, soft_wrap=True)
+        self.console = console or Console(highlight=False, soft_wrap=True)
+        self.err = err or Console(stderr=True, highlight=False, soft_wrap=True)
         self.live = self.console.is_terminal and not quiet
         self.progress: Any = None
         self.task: Any = None
@@ -192,7 +192,7 @@ class _Display:
     def say(self, text: str) -> None:
         if not self.quiet:
             (self.progress.console if self.progress is not None else self.console).print(
-                f"[fgdiloco] {text}", markup=False)
+                f"[fgdiloco] {text}", markup=False, highlight=False)
 
     def warn(self, text: str) -> None:
         self.err.print(f"[fgdiloco] warning: {text}", markup=False)

@@ -7,6 +7,7 @@ import inspect
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -613,3 +614,39 @@ def test_the_memory_estimate_brackets_the_measured_default_worker():
     # 665 MiB resident; the estimate may be above it, not below, and not far above
     est = estimate_worker_bytes(TrainConfig(), 2048, 742_256) / 2**20
     assert 665 < est < 1.25 * 665
+
+
+def test_the_display_shows_a_bar_on_a_terminal_and_plain_lines_elsewhere():
+    import io
+
+    from rich.console import Console
+
+    from fgdiloco.cli import _Display
+
+    row0 = {"round": 0, "step": 0, "tokens": 0, "wall_seconds": 0.0, "train_seconds": 0.0, "eval_loss": 7.63}
+    row1 = {"round": 1, "step": 20, "tokens": 163840, "wall_seconds": 60.0, "train_seconds": 55.0,
+            "eval_loss": 6.046, "train_loss_mean": 6.883, "utilisation_mean": 0.97, "bytes_sent_mean": 5.0e6,
+            "consensus_distance_mean": 0.5}
+    for terminal in (True, False):
+        buf = io.StringIO()
+        d = _Display(False, console=Console(file=buf, force_terminal=terminal, width=200),
+                     err=Console(file=io.StringIO()))
+        assert d.live is terminal
+        with d.status("training a tokenizer") or contextlib.nullcontext():
+            pass
+        d.start_workers(4, 12, 240)
+        d.row(row0)
+        d.row(row1)
+        if terminal:
+            assert d.progress.tasks[0].completed == 1 and d.progress.tasks[0].total == 12
+        d.close()
+        text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", buf.getvalue())  # without the terminal's control codes
+        assert "[fgdiloco] round  1/12  step  20/240  eval 6.046  train 6.883  2,979 tok/s  util 97%  sent 5.0 MB/" \
+               "worker  peer dist 0.5  1m00s elapsed, ETA 11m00s" in text
+        assert ("training a tokenizer ..." in text) is not terminal  # a spinner on a terminal, a line elsewhere
+    quiet = io.StringIO()
+    d = _Display(True, console=Console(file=quiet), err=Console(file=io.StringIO()))
+    assert d.status("x") is None
+    d.start_workers(4, 12, 240)
+    d.row(row1)
+    assert quiet.getvalue() == ""
