@@ -292,7 +292,8 @@ def run_pretrain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         code = 128 + int(getattr(e, "sigval", 0) or 0) if not isinstance(e, KeyboardInterrupt) else EXIT_INTERRUPTED
         return _interrupted(out, display, finish_interrupted, code)
     display.close()
-    display.console.print(_summary_text(summary, out), markup=False)
+    display.console.print(_summary_text(summary, out, time.monotonic() - display.t_start), markup=False,
+                          highlight=False)
     return 0
 
 
@@ -332,12 +333,13 @@ def _interrupted(out: Path, display: _Display, finish: Any, code: int = EXIT_INT
     return code
 
 
-def _summary_text(s: dict[str, Any], out: Path) -> str:
+def _summary_text(s: dict[str, Any], out: Path, elapsed: float) -> str:
+    """The closing lines; ``elapsed``: seconds since the command started (checks and worker start included)."""
     from .pretrain.results import fmt_bytes, fmt_duration
 
     util = "-" if s.get("utilisation") is None else f"{100 * s['utilisation']:.1f}%"
     lines = [
-        f"[fgdiloco] done in {fmt_duration(s['wall_seconds'] + (s.get('setup_seconds') or 0))}:",
+        f"[fgdiloco] done in {fmt_duration(elapsed)}:",
         f"  held-out loss   {s['initial_eval_loss']:.3f} -> {s['final_eval_loss']:.3f} nats/token "
         f"(mean over workers {s['final_eval_loss_mean']:.3f}; unigram baseline {s['unigram_loss']:.3f})",
         f"  tokens          {s['tokens'] / 1e6:.2f}M in {s['train_seconds']:.1f} s of training: "

@@ -62,8 +62,8 @@ def library_default(cls_path: str, argument: str) -> Any:
 
 #: Where :class:`TrainConfig` departs from the library's defaults, and why (``fgdiloco pretrain --help`` shows it).
 DEPARTURES: dict[str, str] = {
-    "outer_momentum": "that is DiLoCo's setting for hundreds of rounds; the 12 rounds of this "
-                      "short job need less momentum not to overshoot",
+    "outer_momentum": "that is DiLoCo's setting for hundreds of rounds; in the 12 rounds of the default job it "
+                      "overshoots (held-out loss 5.67 with 0.9, 5.02 with 0.3, measured)",
 }
 
 
