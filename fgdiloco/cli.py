@@ -246,7 +246,15 @@ class _Display:
 
 
 def run_pretrain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .pretrain.launcher import PreflightError, WorkerFailed, choose_output, finish_interrupted, launch, preflight
+    from .pretrain.launcher import (
+        PreflightError,
+        WorkerFailed,
+        choose_output,
+        clear_outputs,
+        finish_interrupted,
+        launch,
+        preflight,
+    )
     from .pretrain.worker import TrainConfig
 
     prog = parser.prog
@@ -268,6 +276,8 @@ def run_pretrain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     except KeyboardInterrupt:
         display.err.print("[fgdiloco] interrupted before any worker started; nothing written", markup=False)
         return EXIT_INTERRUPTED
+    if args.overwrite:
+        clear_outputs(out)
     for w in found["warnings"]:
         display.warn(w)
     if note:
@@ -370,7 +380,7 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from . import simulate
-    from .pretrain.launcher import PreflightError, choose_output
+    from .pretrain.launcher import PreflightError, choose_output, clear_outputs
 
     try:
         out, note = choose_output(args.out if args.out is not None else simulate.DEFAULT_OUT,
@@ -381,6 +391,8 @@ def run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         return 2
     if note:
         print(f"[simulate] {note}", file=sys.stderr)
+    if args.overwrite:
+        clear_outputs(out, simulate.OUTPUT_NAMES)
     args.out = str(out)
     with contextlib.suppress(KeyboardInterrupt):
         simulate.print_report(simulate.run(args))

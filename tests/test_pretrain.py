@@ -29,7 +29,13 @@ from fgdiloco.pretrain.data import (
     split_tokens,
     unigram_loss,
 )
-from fgdiloco.pretrain.launcher import PreflightError, choose_output, estimate_worker_bytes, finish_interrupted
+from fgdiloco.pretrain.launcher import (
+    PreflightError,
+    choose_output,
+    clear_outputs,
+    estimate_worker_bytes,
+    finish_interrupted,
+)
 from fgdiloco.pretrain.model import GPT, GPTConfig
 from fgdiloco.pretrain.results import ROW_FIELDS, SUMMARY_FIELDS, format_round, read_rows, summarise
 from fgdiloco.pretrain.worker import DEPARTURES, TrainConfig, _lr_at, train_worker
@@ -414,6 +420,7 @@ def test_bad_input_is_refused_in_one_line_naming_the_option_before_any_worker_st
         (["--data", str(binary)], "--data", "is not UTF-8 text"),
         (["--out", str(_unwritable(tmp_path))], "--out", "is not writable"),
         (["--out", str(earlier)], "--out", "holds another run's results (summary.json); pass --overwrite"),
+        (["--out", str(earlier), "--overwrite", "--data", str(binary)], "--data", "is not UTF-8 text"),
         (["--workers", "100000"], "--workers", "GiB of memory"),
     ]
     for extra, option, message in cases:
@@ -426,6 +433,7 @@ def test_bad_input_is_refused_in_one_line_naming_the_option_before_any_worker_st
         assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(f"fgdiloco pretrain: error: {option} ")
         assert message in proc.stderr, proc.stderr
         assert not (out / "logs").exists() and not (out / "run.json").exists()  # no worker was started
+        assert not (earlier / "logs").exists()
         assert seconds < 60, seconds  # a few seconds on a quiet machine (mostly importing torch)
     assert (earlier / "summary.json").read_text() == "{}"
 
@@ -575,6 +583,8 @@ def test_choose_output_numbers_the_default_folder_and_refuses_an_explicit_one(tm
     (base / "logs").mkdir()
     path, note = choose_output(base, explicit=True, overwrite=True)
     assert path == base and "metrics.jsonl" in note and "logs" in note
+    assert (base / "metrics.jsonl").exists()  # nothing removed until the checks passed
+    assert clear_outputs(base) == ["metrics.jsonl", "logs"]
     assert sorted(p.name for p in base.iterdir()) == ["unrelated.txt"]
     afile = tmp_path / "afile"
     afile.write_text("x")

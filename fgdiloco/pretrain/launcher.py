@@ -38,6 +38,7 @@ __all__ = [
     "WorkerFailed",
     "available_memory_bytes",
     "choose_output",
+    "clear_outputs",
     "estimate_worker_bytes",
     "finish_interrupted",
     "launch",
@@ -80,8 +81,9 @@ def choose_output(out: str | os.PathLike[str], *, explicit: bool, overwrite: boo
     """The folder this run writes to, and a sentence for the user when it is not ``out`` as given.
 
     ``out`` holding another run's results (any of ``names``, by default
-    :data:`~fgdiloco.pretrain.results.OUTPUT_NAMES`): with ``overwrite`` those are removed; else the default
-    folder (``explicit=False``) becomes the first free ``out-2``, ``out-3``, ...; an explicit one raises.
+    :data:`~fgdiloco.pretrain.results.OUTPUT_NAMES`): with ``overwrite`` it is used as it is (call
+    :func:`clear_outputs` once the checks passed, so a refused run removes nothing); else the default folder
+    (``explicit=False``) becomes the first free ``out-2``, ``out-3``, ...; an explicit one raises.
 
     Raises:
         PreflightError: an explicit ``out`` holds results and ``overwrite`` is False, or ``out`` is a file.
@@ -93,13 +95,7 @@ def choose_output(out: str | os.PathLike[str], *, explicit: bool, overwrite: boo
     if not found:
         return path, None
     if overwrite:
-        for name in found:
-            target = path / name
-            if target.is_dir():
-                shutil.rmtree(target)
-            else:
-                target.unlink()
-        return path, f"--overwrite: removed the earlier run's {', '.join(found)} from {path}"
+        return path, f"--overwrite: replacing the earlier run's {', '.join(found)} in {path}"
     if explicit:
         raise PreflightError("--out", f"{str(path)!r} holds another run's results ({', '.join(found)}); pass "
                                       "--overwrite to replace them, or choose another folder")
@@ -108,6 +104,19 @@ def choose_output(out: str | os.PathLike[str], *, explicit: bool, overwrite: boo
         k += 1
     fresh = path.with_name(f"{path.name}-{k}")
     return fresh, f"{path} holds an earlier run: writing this one to {fresh} (--out DIR picks the folder)"
+
+
+def clear_outputs(folder: str | os.PathLike[str], names: tuple[str, ...] = OUTPUT_NAMES) -> list[str]:
+    """Remove an earlier run's ``names`` from ``folder`` (``--overwrite``); returns what was removed."""
+    path = Path(folder)
+    found = holds_results(path, names)
+    for name in found:
+        target = path / name
+        if target.is_dir():
+            shutil.rmtree(target)
+        else:
+            target.unlink()
+    return found
 
 
 def _check_writable(path: Path) -> None:
