@@ -804,7 +804,7 @@ def add_arguments(p: argparse.ArgumentParser, default_out: str | None = None) ->
     p.add_argument("--wan", default=None, metavar="PATH",
                    help="measured runs to validate against (default: benchmarks/results/wan.json of a source "
                         "checkout, when there is one)%(default).0s")
+    fresh = f"{DEFAULT_OUT}, or a fresh {DEFAULT_OUT}-2, ... when it holds earlier results"
     p.add_argument("--out", default=default_out, metavar="DIR",
-                   help=f"output folder (default: {DEFAULT_OUT}, or a fresh {DEFAULT_OUT}-2, ... when it holds "
-                        "earlier results)%(default).0s")
+                   help=f"output folder (default: {default_out or fresh})%(default).0s")
     p.add_argument("--overwrite", action="store_true", help="replace earlier results in --out%(default).0s")
