@@ -303,6 +303,34 @@ def _root_cause(err: Any, log_root: Path) -> WorkerFailed:
     return WorkerFailed(int(rank), reason(f), log_of(int(rank), f), traceback=f.exitcode > 0)
 
 
+def _launched_worker(cfg: TrainConfig) -> dict[str, Any]:
+    """A worker started by :func:`launch`: :func:`~fgdiloco.pretrain.worker.train_worker` with its stdout and
+    stderr kept in its log files until the process ends.
+
+    torchelastic points file descriptors 1 and 2 at the worker's log files only around the function; what runs at
+    interpreter exit (``FGDiLoCo``'s ``atexit`` drain of an interrupted exchange, say) would write to the
+    terminal. An ``atexit`` handler registered after ``fgdiloco.outer``'s (so run before it) points them back
+    at the log files.
+    """
+    import atexit
+    import sys
+
+    import fgdiloco.outer.wrapper  # noqa: F401 - its atexit handler must be registered before ours
+
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+
+    def keep_in_log() -> None:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        for fd, log_fd in saved.items():
+            with contextlib.suppress(OSError):
+                os.dup2(log_fd, fd)
+
+    atexit.register(keep_in_log)
+    return train_worker(cfg)
+
+
 def launch(cfg: TrainConfig, *, on_row: Callable[[dict[str, Any]], Any] | None = None,
            on_start: Callable[[], Any] | None = None) -> dict[str, Any]:
     """Start ``cfg.workers`` local worker processes with torchelastic (``torchrun --standalone``'s engine) and
@@ -358,7 +386,7 @@ def launch(cfg: TrainConfig, *, on_row: Callable[[dict[str, Any]], Any] | None =
     try:
         if on_start is not None:
             on_start()
-        results = elastic_launch(config, train_worker)(cfg)
+        results = elastic_launch(config, _launched_worker)(cfg)
     except ChildFailedError as e:
         raise _root_cause(e, log_root) from None
     finally:
