@@ -132,7 +132,7 @@ def train_loss(name: str, overrides: dict, base: TrainConfig, out: Path) -> dict
     t0 = time.perf_counter()
     summary = launch(cfg)
     return {"final_eval_loss": summary["final_eval_loss"], "initial_eval_loss": summary["initial_eval_loss"],
-            "bytes_sent": summary["bytes_sent"], "wall_seconds": time.perf_counter() - t0}
+            "bytes_sent": summary["bytes_sent_per_worker"], "wall_seconds": time.perf_counter() - t0}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -207,7 +207,7 @@ def summarise_run(name: str, bw: float, run_dir: Path, meta: dict[str, Any], job
         "wire_tx_bytes_per_worker": tx,
         "wire_rx_bytes_per_worker": last.get("net_rx_bytes_mean"),
         "wire_tx_bytes_per_round": tx / rounds if tx and rounds else None,
-        "frame_bytes_per_worker": s.get("bytes_sent"),
+        "frame_bytes_per_worker": s.get("bytes_sent_per_worker", s.get("bytes_sent")),
         "capped": bool(s.get("stopped_early")) or steps_done < job["steps"],
         "failed_exchanges": s.get("failed_exchanges"),
         "train_config": s.get("config"),

@@ -1,21 +1,31 @@
 """The ``fgdiloco`` console command.
 
 ``fgdiloco pretrain``: pretrain a small GPT on real text with Factored Gossip DiLoCo on local worker processes
-(defaults: 4 workers on the bundled public-domain corpus, about 3 minutes on 2 CPU cores).
-``fgdiloco simulate``: the analytic round model of ``benchmarks/simulate.py`` (utilisation and wall time of DDP,
-DiLoCo and FG-DiLoCo against bandwidth and number of workers, consensus of the gossip topologies; needs a source
-checkout). Each subcommand adds itself in its own ``add_<name>_parser`` function.
+(defaults: 4 workers on the bundled public-domain corpus, about 3 minutes on 2 CPU cores). Everything that can be
+checked is checked before a worker starts (exit status 2, one line naming the option); a failed worker is reported
+in one line (exit 1) with its traceback kept under ``--out/logs``; Ctrl-C stops the workers, summarises the rounds
+done and exits with 130.
+
+``fgdiloco simulate``: the analytic round model of :mod:`fgdiloco.simulate`.
+
+Each subcommand adds itself in its own ``add_<name>_parser`` function; the pretrain options are the table
+:data:`PRETRAIN_OPTIONS`, one row per :class:`~fgdiloco.pretrain.worker.TrainConfig` field.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["build_parser", "main"]
+__all__ = ["PRETRAIN_OPTIONS", "build_parser", "main"]
+
+#: Exit status after Ctrl-C (128 + SIGINT), as shells report it.
+EXIT_INTERRUPTED = 130
 
 
 def _int_at_least(minimum: int) -> Any:
@@ -47,9 +57,73 @@ def _positive_float(text: str) -> float:
     return v
 
 
+def _choices(name: str) -> tuple[str, ...]:
+    from .pretrain import worker
+
+    return getattr(worker, name)
+
+
+#: ``(group, field, argparse keywords)``: one row per option of ``fgdiloco pretrain``; the flag is the
+#: :class:`~fgdiloco.pretrain.worker.TrainConfig` field with dashes, the default is the field's default. A
+#: callable ``choices`` is resolved when the parser is built.
+PRETRAIN_OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("workers and synchronisation", "workers", {"type": _positive_int, "help": "worker processes (replicas) M"}),
+    ("workers and synchronisation", "steps", {"type": _positive_int, "help": "inner optimizer steps per worker"}),
+    ("workers and synchronisation", "sync_every", {"type": _positive_int, "help": "H: inner steps per outer round"}),
+    ("workers and synchronisation", "topology", {"choices": lambda: _choices("TOPOLOGIES"),
+                                                 "help": "gossip topology"}),
+    ("workers and synchronisation", "mix1_rounds",
+     {"type": _count, "help": "gossip rounds of Mix1 (non-blocking parameter mix) per outer round"}),
+    ("workers and synchronisation", "mix2_rounds",
+     {"type": _count, "help": "gossip rounds of Mix2 (blocking pseudo-gradient mix) per outer round"}),
+    ("workers and synchronisation", "codec", {"choices": lambda: _choices("CODECS"), "help": "Mix2's codec"}),
+    ("workers and synchronisation", "rank", {"type": _positive_int, "help": "rank of the lowrank codec"}),
+    ("workers and synchronisation", "outer_lr", {"type": _positive_float, "help": "outer learning rate"}),
+    ("workers and synchronisation", "outer_momentum", {"type": float, "help": "outer Nesterov momentum"}),
+    ("workers and synchronisation", "baseline",
+     {"choices": ["ddp", "localsgd"], "help": "train a comparison instead: 'ddp' (DistributedDataParallel, "
+                                              "gradients all-reduced every step) or 'localsgd' (PyTorch's "
+                                              "PeriodicModelAverager every --sync-every steps)"}),
+    ("workers and synchronisation", "timeout", {"type": _positive_float, "help": "seconds per gossip exchange"}),
+    ("inner optimizer and batches", "lr", {"type": _positive_float, "help": "AdamW peak learning rate"}),
+    ("inner optimizer and batches", "warmup_steps", {"type": _count, "help": "linear warm-up steps"}),
+    ("inner optimizer and batches", "weight_decay", {"type": float, "help": "AdamW weight decay"}),
+    ("inner optimizer and batches", "grad_clip", {"type": float, "help": "gradient-norm clipping (0: off)"}),
+    ("inner optimizer and batches", "batch_size", {"type": _positive_int, "help": "sequences per step per worker"}),
+    ("inner optimizer and batches", "block_size", {"type": _positive_int, "help": "tokens per sequence"}),
+    ("model", "n_layer", {"type": _positive_int, "help": "transformer blocks"}),
+    ("model", "n_head", {"type": _positive_int, "help": "attention heads"}),
+    ("model", "n_embd", {"type": _positive_int, "help": "model width"}),
+    ("model", "dropout", {"type": float, "help": "dropout probability"}),
+    ("data", "data", {"metavar": "PATH", "help": "UTF-8 text file or folder of .txt files (default: the bundled "
+                                                 "public-domain corpus)%(default).0s"}),
+    ("data", "tokenizer", {"choices": ["bpe", "bytes"],
+                           "help": "byte-level BPE (trained on the data, cached) or raw UTF-8 bytes"}),
+    ("data", "vocab_size", {"type": _positive_int, "help": "BPE vocabulary size"}),
+    ("data", "val_fraction", {"type": float, "help": "held-out tail of the tokens"}),
+    ("data", "cache_dir", {"metavar": "DIR", "help": "where to cache the tokenizer and token ids (default: "
+                                                     "$XDG_CACHE_HOME/fgdiloco, i.e. ~/.cache/fgdiloco, for the "
+                                                     "bundled corpus; .fgdiloco-cache/ beside other data when "
+                                                     "writable)%(default).0s"}),
+    ("output", "seed", {"type": _count, "help": "random seed (model, batches, gossip schedule)"}),
+    ("output", "eval_every", {"type": _positive_int, "help": "outer rounds between evaluations"}),
+    ("output", "eval_batches", {"type": _positive_int, "help": "held-out batches per evaluation"}),
+)
+
+
+def _departure_note(field: str) -> str:
+    """`` (library default X: reason)`` for a TrainConfig default that differs from the library's."""
+    from .pretrain.worker import DEPARTURES, library_default
+
+    if field not in DEPARTURES:
+        return ""
+    lib = library_default("outer.FGDiLoCo", field)
+    return f"; differs from FGDiLoCo's default {lib}: {DEPARTURES[field]}"
+
+
 def add_pretrain_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``pretrain`` to ``subparsers``."""
-    from .pretrain.worker import CODECS, TOPOLOGIES, TrainConfig
+    from .pretrain.worker import TrainConfig
 
     d = TrainConfig()
     p = subparsers.add_parser(
@@ -57,154 +131,274 @@ def add_pretrain_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="pretrain a small GPT on text with Factored Gossip DiLoCo (local worker processes)",
         description="Pretrain a small nanoGPT-style model on real text with Factored Gossip DiLoCo: --workers local "
                     "processes (torchelastic, Gloo, OMP_NUM_THREADS=1) each take --steps AdamW steps and gossip "
-                    "every --sync-every steps. Writes metrics.jsonl, summary.json and loss.png to --out. "
-                    "With no arguments it trains on the bundled public-domain corpus in about 3 minutes on 2 "
-                    "CPU cores.",
+                    "every --sync-every steps. Writes run.json, metrics.jsonl (one JSON row per evaluation), "
+                    "summary.json, loss.png and the workers' logs/ to --out. With no arguments it trains on the "
+                    "bundled public-domain corpus in about 3 minutes on 2 CPU cores. Defaults are the library's "
+                    "(FGDiLoCo, LowRank) unless the option says why not. Exit status: 0 done, 1 a worker failed, "
+                    "2 bad arguments (checked before any worker starts), 130 interrupted (Ctrl-C).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    g = p.add_argument_group("workers and synchronisation")
-    g.add_argument("--workers", type=_positive_int, default=d.workers, help="number of worker processes (replicas)")
-    g.add_argument("--steps", type=_positive_int, default=d.steps, help="inner optimizer steps per worker")
-    g.add_argument("--sync-every", type=_positive_int, default=d.sync_every,
-                   help="H: inner steps per outer round")
-    g.add_argument("--topology", choices=TOPOLOGIES, default=d.topology, help="gossip topology")
-    g.add_argument("--mix1-rounds", type=_count, default=d.mix1_rounds,
-                   help="gossip rounds of Mix1 (non-blocking parameter mix) per outer round")
-    g.add_argument("--mix2-rounds", type=_count, default=d.mix2_rounds,
-                   help="gossip rounds of Mix2 (blocking pseudo-gradient mix) per outer round")
-    g.add_argument("--codec", choices=CODECS, default=d.codec, help="Mix2's codec")
-    g.add_argument("--rank", type=_positive_int, default=d.rank, help="rank of the lowrank codec")
-    g.add_argument("--no-error-feedback", dest="error_feedback", action="store_false",
+    groups: dict[str, Any] = {}
+    for group, field, kw in PRETRAIN_OPTIONS:
+        g = groups.setdefault(group, p.add_argument_group(group))
+        kw = dict(kw)
+        if callable(kw.get("choices")):
+            kw["choices"] = kw["choices"]()
+        kw["help"] = kw["help"] + _departure_note(field)
+        g.add_argument("--" + field.replace("_", "-"), dest=field, default=getattr(d, field), **kw)
+    g = groups["workers and synchronisation"]
+    g.add_argument("--no-error-feedback", dest="error_feedback", action="store_false", default=d.error_feedback,
                    help="lowrank without error feedback (an ablation; it is on by default)%(default).0s")
-    g.add_argument("--outer-lr", type=_positive_float, default=d.outer_lr, help="outer learning rate")
-    g.add_argument("--outer-momentum", type=float, default=d.outer_momentum, help="outer Nesterov momentum")
-    g.add_argument("--baseline", choices=["ddp", "localsgd"], default=None,
-                   help="train a comparison instead: 'ddp' (DistributedDataParallel, gradients all-reduced every "
-                        "step) or 'localsgd' (PyTorch's PeriodicModelAverager every --sync-every steps)")
-    g.add_argument("--timeout", type=_positive_float, default=d.timeout, help="seconds per gossip exchange")
-    g = p.add_argument_group("inner optimizer and batches")
-    g.add_argument("--lr", type=_positive_float, default=d.lr, help="AdamW peak learning rate")
-    g.add_argument("--warmup-steps", type=_count, default=d.warmup_steps, help="linear warm-up steps")
-    g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay")
-    g.add_argument("--grad-clip", type=float, default=d.grad_clip, help="gradient-norm clipping (0: off)")
-    g.add_argument("--batch-size", type=_positive_int, default=d.batch_size, help="sequences per step per worker")
-    g.add_argument("--block-size", type=_positive_int, default=d.block_size, help="tokens per sequence")
-    g = p.add_argument_group("model")
-    g.add_argument("--n-layer", type=_positive_int, default=d.n_layer, help="transformer blocks")
-    g.add_argument("--n-head", type=_positive_int, default=d.n_head, help="attention heads")
-    g.add_argument("--n-embd", type=_positive_int, default=d.n_embd, help="model width")
-    g.add_argument("--dropout", type=float, default=d.dropout, help="dropout probability")
-    g = p.add_argument_group("data")
-    g.add_argument("--data", default=None, metavar="PATH",
-                   help="UTF-8 text file or folder of .txt files "
-                        "(default: the bundled public-domain corpus)%(default).0s")
-    g.add_argument("--tokenizer", choices=["bpe", "bytes"], default=d.tokenizer,
-                   help="byte-level BPE (trained on the data, cached) or raw UTF-8 bytes")
-    g.add_argument("--vocab-size", type=_positive_int, default=d.vocab_size, help="BPE vocabulary size")
-    g.add_argument("--val-fraction", type=float, default=d.val_fraction, help="held-out tail of the tokens")
-    g.add_argument("--cache-dir", default=None, metavar="DIR",
-                   help="where to cache the tokenizer and token ids (default: .fgdiloco-cache/ beside the data, or "
-                        "~/.cache/fgdiloco when the data folder is read-only)%(default).0s")
-    g = p.add_argument_group("output")
-    g.add_argument("--out", default=d.out, metavar="DIR", help="output folder")
-    g.add_argument("--seed", type=_count, default=d.seed, help="random seed (model, batches, gossip schedule)")
-    g.add_argument("--eval-every", type=_positive_int, default=d.eval_every, help="outer rounds between evaluations")
-    g.add_argument("--eval-batches", type=_positive_int, default=d.eval_batches,
-                   help="held-out batches per evaluation")
-    g.add_argument("--quiet", action="store_true", help="no per-round progress lines")
+    g = groups["output"]
+    g.add_argument("--out", default=None, metavar="DIR",
+                   help=f"output folder (default: {d.out}; when it holds an earlier run, a fresh {d.out}-2, "
+                        f"{d.out}-3, ... is used and named)%(default).0s")
+    g.add_argument("--overwrite", action="store_true",
+                   help="replace the results of an earlier run in --out (without it, a folder holding another "
+                        "run's results is refused)%(default).0s")
+    g.add_argument("--quiet", action="store_true",
+                   help="print only warnings, errors and the final summary (metrics.jsonl is written as "
+                        "always)%(default).0s")
     p.set_defaults(func=run_pretrain, subparser=p)
     return p
 
 
-def _config_from_args(args: argparse.Namespace) -> Any:
+def _config_from_args(args: argparse.Namespace, out: Path) -> Any:
     import dataclasses
 
     from .pretrain.worker import TrainConfig
 
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+    names = {f.name for f in dataclasses.fields(TrainConfig)} - {"out", "quiet"}
+    return TrainConfig(**{k: v for k, v in vars(args).items() if k in names}, out=str(out), quiet=args.quiet)
+
+
+# ---------------------------------------------------------------------------------------------------- display
+class _Display:
+    """What the person at the terminal sees: rich spinners and a round bar on a terminal, plain lines otherwise
+    (a pipe, a log file), nothing but warnings and the end with ``quiet``."""
+
+    def __init__(self, quiet: bool, console: Any = None, err: Any = None):
+        from rich.console import Console
+
+        self.quiet = quiet
+        self.console = console or Console(highlight=False, soft_wrap=True)
+        self.err = err or Console(stderr=True, highlight=False, soft_wrap=True)
+        self.live = self.console.is_terminal and not quiet
+        self.progress: Any = None
+        self.task: Any = None
+        self.t_start = time.monotonic()
+        self.rounds = self.steps = 0
+
+    def say(self, text: str) -> None:
+        if not self.quiet:
+            (self.progress.console if self.progress is not None else self.console).print(
+                f"[fgdiloco] {text}", markup=False, highlight=False)
+
+    def warn(self, text: str) -> None:
+        self.err.print(f"[fgdiloco] warning: {text}", markup=False)
+
+    def status(self, text: str) -> Any:
+        if self.quiet:
+            return None
+        if self.live:
+            return self.console.status(text)
+        self.say(text + " ...")
+        return None
+
+    def start_workers(self, workers: int, rounds: int, steps: int) -> None:
+        self.rounds, self.steps = rounds, steps
+        self.t_launch = time.monotonic()
+        if self.quiet:
+            return
+        if self.live:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                SpinnerColumn,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
+
+            self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                                     MofNCompleteColumn(), TextColumn("rounds"), TimeElapsedColumn(),
+                                     TextColumn("ETA"), TimeRemainingColumn(), console=self.console,
+                                     transient=True)
+            self.progress.start()
+            self.task = self.progress.add_task(f"starting {workers} workers", total=rounds)
+        else:
+            self.say(f"starting {workers} workers (each imports torch and loads the cached tokens) ...")
+
+    def row(self, row: dict[str, Any]) -> None:
+        from .pretrain.results import format_round
+
+        if row["round"] == 0:
+            self.say(f"workers ready after {time.monotonic() - self.t_launch:.1f} s; training")
+        self.say(format_round(row, self.rounds, self.steps))
+        if self.progress is not None:
+            self.progress.update(self.task, completed=row["round"], description="training")
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
 
 
 def run_pretrain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .pretrain.data import load_text
-    from .pretrain.worker import launch
+    from .pretrain.launcher import (
+        PreflightError,
+        WorkerFailed,
+        choose_output,
+        clear_outputs,
+        finish_interrupted,
+        launch,
+        preflight,
+    )
+    from .pretrain.worker import TrainConfig
+
+    prog = parser.prog
+    display = _Display(args.quiet)
+
+    def refuse(message: str) -> int:
+        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+        return 2
 
     try:
-        cfg = _config_from_args(args).validate()
-        load_text(cfg.data)  # unreadable data fails here in one line, not inside every worker
-    except (ValueError, FileNotFoundError) as e:
-        parser.error(str(e))
-    out = Path(cfg.out)
-    if out.exists() and not out.is_dir():
-        parser.error(f"--out {cfg.out!r} is a file; give a folder (it is created if missing)")
+        out, note = choose_output(args.out if args.out is not None else TrainConfig().out,
+                                  explicit=args.out is not None, overwrite=args.overwrite)
+        cfg = _config_from_args(args, out)
+        found = preflight(cfg, status=display.status)
+    except PreflightError as e:
+        return refuse(str(e))
+    except ValueError as e:  # a TrainConfig check: name the option
+        return refuse(_as_option(str(e)))
+    except KeyboardInterrupt:
+        display.err.print("[fgdiloco] interrupted before any worker started; nothing written", markup=False)
+        return EXIT_INTERRUPTED
+    if args.overwrite:
+        clear_outputs(out)
+    for w in found["warnings"]:
+        display.warn(w)
+    if note:
+        display.warn(note)
     method = (f"{cfg.baseline} baseline" if cfg.baseline
               else f"Factored Gossip DiLoCo ({cfg.topology}, codec {cfg.codec})")
-    print(f"[fgdiloco] pretrain: {cfg.workers} workers x {cfg.steps} steps, {method}, sync every {cfg.sync_every}, "
-          f"data: {cfg.data or 'bundled corpus'}, out: {cfg.out}", flush=True)
+    display.say(f"pretrain: {cfg.workers} workers x {cfg.steps} steps ({cfg.rounds} rounds of H = {cfg.sync_every}), "
+                f"{method}; data: {cfg.data or 'bundled corpus'} ({found['tokens']:,} tokens, vocabulary "
+                f"{found['vocab_size']}); out: {out}")
     try:
-        summary = launch(cfg)
-    except Exception as e:  # noqa: BLE001 - a worker failed: say so and exit non-zero
-        print(f"[fgdiloco] pretrain failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        summary = launch(cfg, on_row=display.row,
+                         on_start=lambda: display.start_workers(cfg.workers, cfg.rounds, cfg.steps))
+    except WorkerFailed as e:
+        display.close()
+        display.err.print(f"[fgdiloco] pretrain failed: {e}", markup=False)
         return 1
-    print(_summary_text(summary), flush=True)
+    except BaseException as e:  # noqa: BLE001 - Ctrl-C arrives as KeyboardInterrupt or torchelastic's SignalException
+        display.close()
+        if not (isinstance(e, KeyboardInterrupt) or type(e).__name__ == "SignalException"):
+            raise
+        # 128 + the signal, as shells report it: 130 for Ctrl-C (SIGINT), 143 for SIGTERM
+        code = 128 + int(getattr(e, "sigval", 0) or 0) if not isinstance(e, KeyboardInterrupt) else EXIT_INTERRUPTED
+        return _interrupted(out, display, finish_interrupted, code)
+    display.close()
+    display.console.print(_summary_text(summary, out, time.monotonic() - display.t_start), markup=False,
+                          highlight=False)
     return 0
 
 
-def _summary_text(s: dict[str, Any]) -> str:
+def _as_option(message: str) -> str:
+    """``"sync_every must be ..."`` (a TrainConfig check) -> ``"--sync-every must be ..."``."""
+    import dataclasses
+
+    from .pretrain.worker import TrainConfig
+
+    head, _, rest = message.partition(" ")
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    return f"--{head.replace('_', '-')} {rest}" if head in fields else message
+
+
+def _interrupted(out: Path, display: _Display, finish: Any, code: int = EXIT_INTERRUPTED) -> int:
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the summary short
+    try:
+        summary = finish(out)
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+    if summary is None:
+        display.err.print(f"[fgdiloco] interrupted: stopped the workers before training started; kept only the "
+                          f"worker logs in {out / 'logs'}", markup=False)
+        return code
+    rows = summary["rounds"]
+    kept = ["metrics.jsonl", "summary.json (marked interrupted)" if summary["interrupted"] else "summary.json"]
+    if (out / "loss.png").exists():
+        kept.append("loss.png")
+    kept += ["run.json", "logs/"]
+    loss = summary.get("final_eval_loss")
+    display.err.print(f"[fgdiloco] interrupted after round {rows}/{summary['rounds_planned']} (step {summary['steps']}/"
+                      f"{summary['steps_planned']}"
+                      + (f", held-out loss {loss:.3f}" if loss is not None else "")
+                      + f"): stopped the workers; kept in {out}: {', '.join(kept)}", markup=False)
+    return code
+
+
+def _summary_text(s: dict[str, Any], out: Path, elapsed: float) -> str:
+    """The closing lines; ``elapsed``: seconds since the command started (checks and worker start included)."""
+    from .pretrain.results import fmt_bytes, fmt_duration
+
     util = "-" if s.get("utilisation") is None else f"{100 * s['utilisation']:.1f}%"
     lines = [
-        "[fgdiloco] done:",
-        f"  held-out loss   {s['initial_eval_loss']:.3f} -> {s['final_eval_loss']:.3f} "
+        f"[fgdiloco] done in {fmt_duration(elapsed)}:",
+        f"  held-out loss   {s['initial_eval_loss']:.3f} -> {s['final_eval_loss']:.3f} nats/token "
         f"(mean over workers {s['final_eval_loss_mean']:.3f}; unigram baseline {s['unigram_loss']:.3f})",
-        f"  tokens          {s['tokens'] / 1e6:.2f}M in {s['wall_seconds']:.1f} s of training "
-        f"({s['tokens_per_second']:.0f} tokens/s without evaluation; set-up {s['setup_seconds']:.1f} s)",
-        f"  utilisation     {util}   bytes sent per worker {s['bytes_sent'] / 1e6:.2f} MB   "
-        f"failed exchanges {s['failed_exchanges']}",
-        f"  outputs         {s.get('summary_path', '')}  {s.get('metrics_path', '')}  {s.get('plot_path', '')}",
+        f"  tokens          {s['tokens'] / 1e6:.2f}M in {s['train_seconds']:.1f} s of training: "
+        f"{s['tokens_per_second']:,.0f} tokens/s, all workers, evaluation excluded "
+        f"(set-up {s['setup_seconds']:.1f} s)",
+        f"  utilisation     {util} of round time computing   sent {fmt_bytes(s['bytes_sent_per_worker'])} per "
+        f"worker ({fmt_bytes(s['bytes_sent_all_workers'])} all workers)   failed exchanges {s['failed_exchanges']}",
+        f"  outputs         {out}/: summary.json, metrics.jsonl, loss.png, run.json, logs/",
     ]
     return "\n".join(lines)
 
 
-def _benchmarks_simulate() -> Any:
-    """``benchmarks.simulate`` of the source checkout this package lives in, or None (installed from a wheel)."""
-    import importlib
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    if not (root / "benchmarks" / "simulate.py").is_file():
-        return None
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    return importlib.import_module("benchmarks.simulate")
-
-
+# ---------------------------------------------------------------------------------------------------- simulate
 def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``simulate`` to ``subparsers`` (the model lives in ``benchmarks/simulate.py`` of a source checkout)."""
+    """Add ``simulate`` to ``subparsers`` (the model is :mod:`fgdiloco.simulate`)."""
+    from . import simulate
+
     p = subparsers.add_parser(
         "simulate",
         help="analytic model of a round: utilisation of DDP, DiLoCo and FG-DiLoCo vs bandwidth and workers",
-        description="Predict compute utilisation and wall time per round of DDP, DiLoCo and FG-DiLoCo from measured "
-                    "codec bytes on the example GPT, compute time per step, bandwidth, latency and M (up to 1024); "
-                    "simulate the consensus contraction of the gossip topologies; validate against "
-                    "benchmarks/results/wan.json when present. Writes benchmarks/results/simulate.json and PNGs. "
-                    "Same as python -m benchmarks.simulate (needs a source checkout).",
+        description=simulate.DESCRIPTION,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    mod = _benchmarks_simulate()
-    if mod is not None:
-        mod.add_arguments(p)
+    simulate.add_arguments(p, default_out=None)
     p.set_defaults(func=run_simulate, subparser=p)
     return p
 
 
 def run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    mod = _benchmarks_simulate()
-    if mod is None:
-        print("[fgdiloco] simulate needs a source checkout of fgdiloco (benchmarks/simulate.py beside the package)",
-              file=sys.stderr)
-        return 1
-    mod.print_report(mod.run(args))
-    return 0
+    from . import simulate
+    from .pretrain.launcher import PreflightError, choose_output, clear_outputs
+
+    try:
+        out, note = choose_output(args.out if args.out is not None else simulate.DEFAULT_OUT,
+                                  explicit=args.out is not None, overwrite=args.overwrite,
+                                  names=simulate.OUTPUT_NAMES)
+    except PreflightError as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
+    if note:
+        print(f"[simulate] {note}", file=sys.stderr)
+    if args.overwrite:
+        clear_outputs(out, simulate.OUTPUT_NAMES)
+    args.out = str(out)
+    with contextlib.suppress(KeyboardInterrupt):
+        simulate.print_report(simulate.run(args))
+        return 0
+    print("[simulate] interrupted; nothing written", file=sys.stderr)
+    return EXIT_INTERRUPTED
 
 
 def build_parser() -> argparse.ArgumentParser:

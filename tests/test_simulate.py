@@ -1,4 +1,4 @@
-"""The analytic round model of benchmarks/simulate.py and its consensus study (fast: no training, no network)."""
+"""The analytic round model of fgdiloco.simulate and its consensus study (fast: no training, no network)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from benchmarks.simulate import (
+from fgdiloco.gossip.topology import make_topology
+from fgdiloco.simulate import (
     Network,
     Workload,
     contraction_matrices,
@@ -18,7 +19,6 @@ from benchmarks.simulate import (
     ring_allreduce_seconds,
     rounds_to,
 )
-from fgdiloco.gossip.topology import make_topology
 
 W = Workload(params=500_000, step_seconds=0.05, sync_every=20, mix1_bytes=700_000, mix2_bytes=25_000,
              outer_seconds=0.002)
@@ -125,10 +125,53 @@ def test_contraction_is_monotone_and_ring_is_slowest():
 
 
 def test_halving_doubling_latency_grows_with_log_m():
-    from benchmarks.simulate import allreduce_seconds
+    from fgdiloco.simulate import allreduce_seconds
 
     net = Network(math.inf, latency_s=0.001)
     assert math.isclose(allreduce_seconds(1e6, 1024, net, "halving_doubling"), 2 * 10 * 0.001)
     assert math.isclose(allreduce_seconds(1e6, 1024, net, "ring"), 2 * 1023 * 0.001)
     with pytest.raises(ValueError):
         allreduce_seconds(1e6, 4, net, "tree")
+
+
+def test_the_job_is_wan_pys_job():
+    from benchmarks.wan import JOB as WAN_JOB
+    from fgdiloco.simulate import JOB
+
+    assert JOB == WAN_JOB
+
+
+def test_benchmarks_simulate_is_the_package_model():
+    import benchmarks.simulate as bench
+    import fgdiloco.simulate as pkg
+
+    assert bench.predict is pkg.predict and bench.consensus_study is pkg.consensus_study
+
+
+def test_fgdiloco_simulate_writes_a_fresh_folder_and_prints_tables(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "runs" / "simulate").mkdir(parents=True)
+    (tmp_path / "runs" / "simulate" / "simulate.json").write_text("{}")  # an earlier result: kept
+    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="160")
+    proc = subprocess.run([sys.executable, "-m", "fgdiloco", "simulate", "--quick", "--max-rounds", "300",
+                           "--wan", str(tmp_path / "no-wan.json")], capture_output=True, text=True, timeout=600,
+                          env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    fresh = tmp_path / "runs" / "simulate-2"
+    assert "writing this one to runs/simulate-2" in proc.stderr
+    assert (tmp_path / "runs" / "simulate" / "simulate.json").read_text() == "{}"
+    res = json.loads((fresh / "simulate.json").read_text())
+    assert res["plots"] == ["runs/simulate-2/simulate_utilisation.png", "runs/simulate-2/simulate_consensus.png"]
+    assert all((tmp_path / p).is_file() for p in res["plots"])
+    assert "predicted compute utilisation (%)" in proc.stdout and "gossip rounds to 0.01" in proc.stdout
+    table = proc.stdout[proc.stdout.index("predicted compute utilisation"):]
+    for label in ("DDP", "DiLoCo", "FG-DiLoCo LowRank r2=1"):
+        row = next(line for line in table.splitlines() if line.strip("│┃ ").startswith(label + " "))
+        cells = [c.strip() for c in row.strip("│┃ ").split("│")[1:]]
+        expect = [100 * res["table"][k]["utilisation"] for k in res["table"] if k.startswith(label + " |")]
+        assert [float(c) for c in cells] == pytest.approx(expect, abs=0.051)
+    assert "{" not in proc.stdout  # no raw dict

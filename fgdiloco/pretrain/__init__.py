@@ -4,13 +4,17 @@
   stages ``GPTStage``, with ``lm_loss``).
 * :mod:`fgdiloco.pretrain.data`: ``load_text``, ``build_tokenizer``, ``encode_corpus``, ``split_tokens``,
   ``sample_batch``, ``unigram_loss``; a public-domain default corpus ships in ``corpus/``.
-* :mod:`fgdiloco.pretrain.worker`: ``TrainConfig``, ``train_worker`` (one rank), ``launch`` (local workers via
-  torchelastic); the ``fgdiloco pretrain`` command runs it.
+* :mod:`fgdiloco.pretrain.worker`: ``TrainConfig``, ``train_worker`` (one rank).
+* :mod:`fgdiloco.pretrain.launcher`: ``preflight`` (checks before any worker starts), ``launch`` (local workers via
+  torchelastic), ``finish_interrupted`` (the summary after Ctrl-C); the ``fgdiloco pretrain`` command runs them.
+* :mod:`fgdiloco.pretrain.results`: what a run writes (``run.json``, ``metrics.jsonl``, ``summary.json``,
+  ``loss.png``), the meaning of every field, ``summarise``.
 """
 
 from .data import build_tokenizer, encode_corpus, load_text, sample_batch, split_tokens, unigram_loss
+from .launcher import finish_interrupted, launch, preflight
 from .model import GPT, GPTConfig, GPTStage, lm_loss
-from .worker import TrainConfig, launch, train_worker
+from .worker import TrainConfig, train_worker
 
 __all__ = [
     "GPT",
@@ -19,9 +23,11 @@ __all__ = [
     "TrainConfig",
     "build_tokenizer",
     "encode_corpus",
+    "finish_interrupted",
     "launch",
     "lm_loss",
     "load_text",
+    "preflight",
     "sample_batch",
     "split_tokens",
     "train_worker",

@@ -34,6 +34,7 @@ __all__ = [
     "sample_batch",
     "split_tokens",
     "unigram_loss",
+    "user_cache_dir",
 ]
 
 CACHE_VERSION = 1
@@ -104,7 +105,7 @@ def _writable(folder: Path) -> bool:
 
 
 def user_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/fgdiloco`` (default ``~/.cache/fgdiloco``)."""
+    """``$XDG_CACHE_HOME/fgdiloco`` (default ``~/.cache/fgdiloco``), the XDG base-directory convention."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "fgdiloco"
 
@@ -112,12 +113,17 @@ def user_cache_dir() -> Path:
 def cache_dir_for(path: str | os.PathLike[str] | None, cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """Where to cache the tokenizer and token ids of the text at ``path`` (``None``: the bundled corpus).
 
-    ``cache_dir`` when given; otherwise ``.fgdiloco-cache/`` beside the data (in the folder, or beside the file)
-    when that is writable, else :func:`user_cache_dir`.
+    ``cache_dir`` when given; :func:`user_cache_dir` for the bundled corpus or any data inside the installed
+    package (a package folder is never written to); otherwise ``.fgdiloco-cache/`` beside the data (in the
+    folder, or beside the file) when that is writable, else :func:`user_cache_dir`.
     """
     if cache_dir is not None:
         return Path(cache_dir).expanduser()
-    src = bundled_corpus_dir() if path is None else Path(path).expanduser().resolve()
+    if path is None:
+        return user_cache_dir()
+    src = Path(path).expanduser().resolve()
+    if src.is_relative_to(Path(__file__).resolve().parents[1]):
+        return user_cache_dir()
     folder = src if src.is_dir() else src.parent
     if os.access(folder, os.W_OK | os.X_OK):
         beside = folder / _CACHE_SUBDIR

@@ -4,15 +4,10 @@
 workers with torchelastic (the engine behind ``torchrun``) and returns rank 0's summary. ``fgdiloco pretrain``
 (:mod:`fgdiloco.cli`) is a thin layer over :func:`launch`.
 
-Outputs in ``cfg.out`` (written by rank 0):
-
-* ``metrics.jsonl``: one JSON object per evaluation (step 0, then every ``eval_every`` rounds and at the end):
-  step, round, tokens (seen by all workers), wall / train seconds, held-out loss of rank 0's replica and its mean
-  over all replicas, train loss, and the round's diagnostics (utilisation, bytes sent, Mix2 seconds, Mix1 wait,
-  consensus distance, failed exchanges) of rank 0 and, where it makes sense, averaged over ranks.
-* ``summary.json``: initial / final held-out loss, the unigram baseline, tokens, wall seconds, mean utilisation,
-  bytes sent per worker, and the configuration.
-* ``loss.png``: held-out loss against tokens and against training seconds, the unigram baseline dashed.
+Outputs in ``cfg.out`` (written by rank 0; :mod:`fgdiloco.pretrain.results` describes every field):
+``run.json`` (before the first step), ``metrics.jsonl`` (one row per evaluation: step 0, then every
+``eval_every`` rounds and at the end), ``summary.json`` and ``loss.png``. A folder is reused as it is: rank 0
+removes an earlier run's ``summary.json`` and ``loss.png`` first, so the folder never mixes two runs.
 
 Evaluation (held-out loss on a fixed set of validation windows, the same on every rank) runs between rounds and
 is kept out of the diagnostics: it runs inside ``FGDiLoCo.paused()``, so its time is not in any round's
@@ -22,12 +17,12 @@ round or inner seconds, and it is subtracted from ``train_seconds``.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
+import inspect
 import json
 import math
 import os
-import sys
+import resource
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -47,6 +42,7 @@ from .data import (
     unigram_loss,
 )
 from .model import GPT, GPTConfig
+from .results import format_round, plot, summarise, write_json
 
 __all__ = ["CODECS", "TOPOLOGIES", "TrainConfig", "launch", "train_worker"]
 
@@ -55,28 +51,48 @@ TOPOLOGIES = ("random", "exponential", "ring", "allreduce")
 BASELINES = (None, "ddp", "localsgd")
 
 
+def library_default(cls_path: str, argument: str) -> Any:
+    """The default of ``argument`` in the constructor of ``fgdiloco.<cls_path>`` (e.g. ``"factor.LowRank"``), read
+    with :func:`inspect.signature`, so the command's defaults follow the library's."""
+    import importlib
+
+    module, _, name = f"fgdiloco.{cls_path}".rpartition(".")
+    return inspect.signature(getattr(importlib.import_module(module), name)).parameters[argument].default
+
+
+#: Where :class:`TrainConfig` departs from the library's defaults, and why (``fgdiloco pretrain --help`` shows it).
+DEPARTURES: dict[str, str] = {
+    "outer_momentum": "that is DiLoCo's setting for hundreds of rounds; in the 12 rounds of the default job it "
+                      "overshoots (held-out loss 5.67 with 0.9, 5.02 with 0.3, measured)",
+}
+
+
 @dataclass
 class TrainConfig:
     """Everything a pretraining run needs. The defaults finish in about 3 minutes on 2 CPU cores.
 
     Run shape: ``workers`` replicas each take ``steps`` inner AdamW steps; every ``sync_every`` of them end an
     outer round (gossip). Tokens seen in total = ``workers * steps * batch_size * block_size``.
+
+    The defaults of the arguments that ``FGDiLoCo`` and ``LowRank`` also take are read from their signatures
+    (:func:`library_default`), so they follow the library; :data:`DEPARTURES` lists each exception and its
+    reason (``fgdiloco pretrain --help`` shows them).
     """
 
     # workers and the outer loop
     workers: int = 4
     steps: int = 240
     sync_every: int = 20
-    topology: str = "random"
-    mix1_rounds: int = 1
-    mix2_rounds: int = 1
+    topology: str = library_default("outer.FGDiLoCo", "topology")
+    mix1_rounds: int = library_default("outer.FGDiLoCo", "mix1_rounds")
+    mix2_rounds: int = library_default("outer.FGDiLoCo", "mix2_rounds")
     codec: str = "dense"
-    rank: int = 8
-    error_feedback: bool = True
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.3
+    rank: int = library_default("factor.LowRank", "rank")
+    error_feedback: bool = library_default("factor.LowRank", "error_feedback")
+    outer_lr: float = library_default("outer.FGDiLoCo", "outer_lr")
+    outer_momentum: float = 0.3  # see DEPARTURES
     baseline: str | None = None
-    timeout: float = 60.0
+    timeout: float = library_default("outer.FGDiLoCo", "timeout")
     # inner optimiser (AdamW, linear warm-up then cosine decay to min_lr_ratio * lr, gradient clipping; 0: off)
     lr: float = 3e-3
     warmup_steps: int = 20
@@ -96,8 +112,9 @@ class TrainConfig:
     vocab_size: int = 2048
     val_fraction: float = 0.05
     cache_dir: str | None = None
-    # output and evaluation
+    # output and evaluation (run_id: written into run.json and summary.json; None: rank 0 makes one)
     out: str = "runs/pretrain"
+    run_id: str | None = None
     seed: int = 0
     eval_every: int = 1
     eval_batches: int = 4
@@ -257,16 +274,21 @@ def _load_data(cfg: TrainConfig, rank: int, world: int) -> dict[str, Any]:
 
 
 class _Recorder:
-    """Rank 0's metrics.jsonl writer and progress printer."""
+    """Rank 0's writer of ``run.json`` and ``metrics.jsonl`` (and its progress printer when not ``quiet``)."""
 
-    def __init__(self, cfg: TrainConfig, rank: int):
+    def __init__(self, cfg: TrainConfig, rank: int, info: dict[str, Any]):
         self.cfg = cfg
         self.rank = rank
+        self.info = info
         self.rows: list[dict[str, Any]] = []
         self._file = None
         if rank == 0:
             out = Path(cfg.out)
             out.mkdir(parents=True, exist_ok=True)
+            for stale in ("summary.json", "loss.png"):  # an earlier run's: never left beside this run's rows
+                with contextlib.suppress(FileNotFoundError):
+                    (out / stale).unlink()
+            write_json(out / "run.json", info)
             self._file = open(out / "metrics.jsonl", "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
 
     def write(self, row: dict[str, Any]) -> None:
@@ -276,39 +298,12 @@ class _Recorder:
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         if not self.cfg.quiet:
-            print(_progress_line(self.cfg, row), flush=True)
+            print("[fgdiloco] " + format_round(row, self.cfg.rounds, self.cfg.steps), flush=True)
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
-
-
-def _fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "kB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} GB"
-
-
-def _progress_line(cfg: TrainConfig, row: dict[str, Any]) -> str:
-    parts = [f"round {row['round']:>3}/{cfg.rounds}", f"step {row['step']:>5}/{cfg.steps}",
-             f"tokens {row['tokens'] / 1e6:6.2f}M", f"eval {row['eval_loss']:.3f} (mean {row['eval_loss_mean']:.3f})"]
-    if row.get("train_loss") is not None:
-        parts.append(f"train {row['train_loss']:.3f}")
-    if row.get("utilisation_mean") is not None:
-        parts.append(f"util {100 * row['utilisation_mean']:.0f}%")
-    if row.get("bytes_sent") is not None:
-        parts.append(f"sent {_fmt_bytes(row['bytes_sent'])}")
-    if row.get("consensus_distance") is not None:
-        parts.append(f"consensus {row['consensus_distance']:.3g}")
-    if row.get("failed_exchanges"):
-        parts.append(f"failed {row['failed_exchanges']}")
-    parts.append(f"{row['wall_seconds']:.0f}s")
-    return "[fgdiloco] " + "  ".join(parts)
 
 
 def _net_bytes() -> tuple[float, float]:
@@ -335,32 +330,6 @@ def _evaluate(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Te
     total = sum(float(model(x, y)[1]) for x, y in batches)
     model.train(was_training)
     return total / len(batches)
-
-
-def _plot(out: Path, rows: list[dict[str, Any]], unigram: float, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    tokens = [r["tokens"] / 1e6 for r in rows]
-    secs = [r["train_seconds"] for r in rows]
-    for ax, xs, label in ((axes[0], tokens, "tokens seen by all workers (millions)"),
-                          (axes[1], secs, "wall seconds (training; evaluation excluded)")):
-        ax.plot(xs, [r["eval_loss"] for r in rows], "o-", ms=3, label="held-out loss, rank 0")
-        ax.plot(xs, [r["eval_loss_mean"] for r in rows], "-", lw=1, alpha=0.7, label="mean over workers")
-        ax.axhline(unigram, ls="--", color="grey", label=f"unigram baseline {unigram:.2f}")
-        ax.set_xlabel(label)
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("cross-entropy (nats / token)")
-    axes[0].legend()
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    tmp = out / ".loss.png.tmp"
-    fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
-    os.replace(tmp, out / "loss.png")
 
 
 # ---------------------------------------------------------------------------------------------------- the worker
@@ -448,13 +417,32 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     # ring all-reduce: each worker sends 2 (M-1)/M of the gradient bytes (an estimate; Gloo picks its algorithm)
     ring = 2 * (world - 1) / world if world > 1 else 0.0
 
-    rec = _Recorder(cfg, rank)
-    setup_seconds = time.perf_counter() - t_setup
     title = ({"ddp": "DDP baseline", "localsgd": "local SGD baseline (PeriodicModelAverager)"}.get(
                  cfg.baseline or "", "Factored Gossip DiLoCo") + f": {world} workers, {cfg.steps} steps"
              + ("" if ddp else f", H={cfg.sync_every}" if localsgd else
                 f", H={cfg.sync_every}, {cfg.topology}, codec {cfg.codec}")
              + f", {n_params / 1e6:.2f}M params")
+    setup_seconds = time.perf_counter() - t_setup
+    info = {
+        "run_id": cfg.run_id or uuid.uuid4().hex[:12],
+        "method": cfg.baseline or "fgdiloco",
+        "workers": world,
+        "rounds_planned": cfg.rounds,
+        "steps_planned": cfg.steps,
+        "tokens_per_step": tokens_per_step,
+        "params": n_params,
+        "vocab_size": vocab,
+        "train_tokens": int(train.numel()),
+        "val_tokens": int(val.numel()),
+        "unigram_loss": unigram,
+        "data": cfg.data if cfg.data is not None else "bundled corpus (fgdiloco/pretrain/corpus)",
+        "cache_dir": data.get("cache_dir"),
+        "setup_seconds": setup_seconds,
+        "title": title,
+        "torch": torch.__version__,
+        "config": asdict(cfg),
+    }
+    rec = _Recorder(cfg, rank, info)
 
     eval_seconds = 0.0
     util_sum = util_n = 0.0
@@ -482,7 +470,8 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
         cons = stats["consensus_distance"] if stats else None
         local = [loss, train_loss if train_loss is not None else 0.0, util if util is not None else 0.0,
                  bytes_round or 0.0, cons if cons is not None else 0.0, 1.0 if cons is not None else 0.0,
-                 net[0] - net0[0], net[1] - net0[1], 1.0 if over else 0.0]
+                 net[0] - net0[0], net[1] - net0[1], 1.0 if over else 0.0, bytes_total,
+                 util_sum / util_n if util_n else 0.0, float(failed_total)]
         s = _all_sum(local, world)  # after the round: costs no round time (subtracted below)
         stop = s[8] > 0  # any rank past max_seconds: all stop after this round
         row = {
@@ -499,6 +488,9 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
             "utilisation_mean": s[2] / world if util is not None else None,
             "bytes_sent": bytes_round,
             "bytes_sent_mean": s[3] / world if bytes_round is not None else None,
+            "bytes_sent_per_worker_so_far": s[9] / world,
+            "utilisation_so_far": s[10] / world if util_n else None,
+            "failed_exchanges_so_far": int(s[11]),
             "mix2_seconds": stats["mix2_seconds"] if stats else None,
             "mix1_wait_seconds": stats["mix1_wait_seconds"] if stats else None,
             "mix1_seconds": stats["mix1_seconds"] if stats else None,
@@ -596,94 +588,29 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
             opt.close()
         rec.close()
 
-    util_all, bytes_all, failed_all = _all_sum([util_sum / util_n if util_n else 0.0, bytes_total,
-                                                float(failed_total)], world)
-    rows = rec.rows
-    summary: dict[str, Any] = {
-        "method": cfg.baseline or "fgdiloco",
-        "workers": world,
+    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.int64)
+    if world > 1:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    summary = summarise(info, rec.rows, extra={
         "rank": rank,
-        "initial_eval_loss": rows[0]["eval_loss"],
-        "final_eval_loss": rows[-1]["eval_loss"],
-        "final_eval_loss_mean": rows[-1]["eval_loss_mean"],
-        "best_eval_loss": min(r["eval_loss"] for r in rows),
-        "unigram_loss": unigram,
-        "tokens": steps_done * tokens_per_step,
-        "steps": steps_done,
-        "stopped_early": steps_done < cfg.steps,
-        "rounds": done_rounds,
         "wall_seconds": total_seconds,
         "train_seconds": total_seconds - eval_seconds,
         "eval_seconds": eval_seconds,
-        "setup_seconds": setup_seconds,
         "tokens_per_second": steps_done * tokens_per_step / max(total_seconds - eval_seconds, 1e-9),
-        "utilisation": None if ddp else util_all / world,
-        # baselines: seconds not blocked in communication / wall seconds, measured per round (evaluation excluded)
-        "utilisation_not_blocked": util_all / world if baseline else None,
-        "bytes_sent": bytes_all / world,
-        "bytes_sent_note": ("per worker, total: estimated ring all-reduce volume 2(M-1)/M x gradient bytes" if ddp
-                            else "per worker, total: estimated ring all-reduce volume 2(M-1)/M x parameter bytes"
-                            if localsgd else "per worker, total: Mix1 + Mix2 frame bytes"),
-        "failed_exchanges": int(failed_all),
-        "params": n_params,
-        "vocab_size": vocab,
-        "train_tokens": int(train.numel()),
-        "val_tokens": int(val.numel()),
-        "data": cfg.data if cfg.data is not None else "bundled corpus (fgdiloco/pretrain/corpus)",
-        "cache_dir": data.get("cache_dir"),
-        "torch": torch.__version__,
-        "config": asdict(cfg),
-    }
+        "peak_rss_bytes": int(peak),
+    })
     if rank == 0:
         out = Path(cfg.out)
-        tmp = out / ".summary.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, out / "summary.json")
-        _plot(out, rows, unigram, title)
-        summary["metrics_path"] = str(out / "metrics.jsonl")
-        summary["plot_path"] = str(out / "loss.png")
-        summary["summary_path"] = str(out / "summary.json")
+        write_json(out / "summary.json", summary)
+        plot(out, rec.rows, unigram, title)
+        summary.update(metrics_path=str(out / "metrics.jsonl"), plot_path=str(out / "loss.png"),
+                       summary_path=str(out / "summary.json"))
     return summary
 
 
 # ---------------------------------------------------------------------------------------------------- launcher
-def launch(cfg: TrainConfig) -> dict[str, Any]:
-    """Start ``cfg.workers`` local worker processes with torchelastic (what ``torchrun --standalone`` does) and
-    return rank 0's summary.
+def launch(cfg: TrainConfig, **kwargs: Any) -> dict[str, Any]:
+    """:func:`fgdiloco.pretrain.launcher.launch` (kept here for existing imports)."""
+    from .launcher import launch as _launch
 
-    Each worker runs :func:`train_worker` with ``OMP_NUM_THREADS=1`` (on a small machine four workers share the
-    cores). Rendezvous is ``c10d`` on ``localhost`` on a port the OS picks, so concurrent jobs never collide.
-
-    Raises:
-        ValueError / FileNotFoundError: an invalid configuration (checked before anything starts).
-        torch.distributed.elastic.multiprocessing.errors.ChildFailedError: a worker failed (its error is inside).
-    """
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    cfg.validate()
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=cfg.workers,
-        run_id=f"fgdiloco-{uuid.uuid4().hex[:12]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
-        rdzv_configs={"timeout": 300},
-        max_restarts=0,
-        monitor_interval=0.1,
-        start_method="spawn",
-    )
-    saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM")}
-    os.environ["OMP_NUM_THREADS"] = "1"
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    try:
-        results = elastic_launch(config, train_worker)(dataclasses.replace(cfg))
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    summary = results[0]
-    sys.stdout.flush()
-    return summary
+    return _launch(cfg, **kwargs)

@@ -1,0 +1,433 @@
+"""Starting a pretraining job on local worker processes, and everything around it that a person relies on.
+
+* :func:`preflight`: what can be checked in the launching process before any worker starts, each failure a
+  :class:`PreflightError` naming the command-line option: the output folder is writable, the data is UTF-8 text
+  with enough tokens for one window of each split (the tokenizer is trained and cached here, so the workers only
+  load it), and the workers fit in free memory (:func:`estimate_worker_bytes`); more workers than cores is a
+  warning.
+* :func:`choose_output`: a folder never receives a run while it holds another run's results: the default folder
+  becomes a fresh numbered one (``runs/pretrain-2``, ...), an explicit one needs ``overwrite``.
+* :func:`launch`: torchelastic (what ``torchrun --standalone`` runs) starts the workers with their stdout and stderr
+  in ``<out>/logs/``; a failed worker becomes one :class:`WorkerFailed` with the root cause (a SIGKILL: "killed by
+  the system, probably out of memory") and the log file holding its traceback. ``on_row`` sees every
+  ``metrics.jsonl`` row as rank 0 writes it (the command's progress display).
+* :func:`finish_interrupted`: after Ctrl-C, ``summary.json`` (``"interrupted": true``) and ``loss.png`` for the
+  rounds done, from ``run.json`` and ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import shutil
+import signal
+import threading
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .data import build_tokenizer, cache_dir_for, encode_corpus, load_text, split_tokens
+from .results import OUTPUT_NAMES, holds_results, plot, read_rows, summarise, write_json
+from .worker import TrainConfig, train_worker
+
+__all__ = [
+    "PreflightError",
+    "WorkerFailed",
+    "available_memory_bytes",
+    "choose_output",
+    "clear_outputs",
+    "estimate_worker_bytes",
+    "finish_interrupted",
+    "launch",
+    "preflight",
+    "usable_cores",
+]
+
+#: Resident memory of a worker before its model: Python, torch, numpy, tokenizers and a Gloo group.
+WORKER_BASE_BYTES = 330 * 2**20
+#: fp32 copies of the parameters a worker holds: weights, gradients, AdamW's two moments, FG-DiLoCo's
+#: round-start snapshot, outer momentum, Mix1 / Mix2 buffers and the codec's error feedback, rounded up.
+PARAM_COPIES = 12
+#: Factor on the counted model, activation and token bytes for what the count misses (temporaries of the
+#: backward pass, allocator slack). With it the estimate is 5-10 % above the peak ``ru_maxrss`` measured here
+#: (torch 2.13 CPU): 325 MiB for a 1-layer, 32-wide model (estimate 338 MiB); 665 MiB for the default
+#: 4-layer, 128-wide model with batch 16 x 128 (estimate 730 MiB).
+MODEL_SLACK = 2.0
+
+
+class PreflightError(ValueError):
+    """A problem found before any worker starts. ``option`` is the command-line option to change."""
+
+    def __init__(self, option: str, message: str):
+        self.option = option
+        super().__init__(f"{option} {message}")
+
+
+class WorkerFailed(RuntimeError):
+    """A worker process failed. ``reason``: the root cause in one line; ``rank``; ``log``: its stderr file."""
+
+    def __init__(self, rank: int, reason: str, log: Path | None, traceback: bool = True):
+        self.rank, self.reason, self.log = rank, reason, log
+        where = "" if log is None else f" (traceback in {log})" if traceback else f" (its log: {log})"
+        super().__init__(f"worker {rank}: {reason}{where}")
+
+
+# ---------------------------------------------------------------------------------------------------- output folder
+def choose_output(out: str | os.PathLike[str], *, explicit: bool, overwrite: bool,
+                  names: tuple[str, ...] = OUTPUT_NAMES) -> tuple[Path, str | None]:
+    """The folder this run writes to, and a sentence for the user when it is not ``out`` as given.
+
+    ``out`` holding another run's results (any of ``names``, by default
+    :data:`~fgdiloco.pretrain.results.OUTPUT_NAMES`): with ``overwrite`` it is used as it is (call
+    :func:`clear_outputs` once the checks passed, so a refused run removes nothing); else the default folder
+    (``explicit=False``) becomes the first free ``out-2``, ``out-3``, ...; an explicit one raises.
+
+    Raises:
+        PreflightError: an explicit ``out`` holds results and ``overwrite`` is False, or ``out`` is a file.
+    """
+    path = Path(out).expanduser()
+    if path.exists() and not path.is_dir():
+        raise PreflightError("--out", f"{str(path)!r} is a file; give a folder (it is created if missing)")
+    found = holds_results(path, names)
+    if not found:
+        return path, None
+    if overwrite:
+        return path, f"--overwrite: replacing the earlier run's {', '.join(found)} in {path}"
+    if explicit:
+        raise PreflightError("--out", f"{str(path)!r} holds another run's results ({', '.join(found)}); pass "
+                                      "--overwrite to replace them, or choose another folder")
+    k = 2
+    while holds_results(path.with_name(f"{path.name}-{k}"), names) or path.with_name(f"{path.name}-{k}").is_file():
+        k += 1
+    fresh = path.with_name(f"{path.name}-{k}")
+    return fresh, f"{path} holds an earlier run: writing this one to {fresh} (--out DIR picks the folder)"
+
+
+def clear_outputs(folder: str | os.PathLike[str], names: tuple[str, ...] = OUTPUT_NAMES) -> list[str]:
+    """Remove an earlier run's ``names`` from ``folder`` (``--overwrite``); returns what was removed."""
+    path = Path(folder)
+    found = holds_results(path, names)
+    for name in found:
+        target = path / name
+        if target.is_dir():
+            shutil.rmtree(target)
+        else:
+            target.unlink()
+    return found
+
+
+def _check_writable(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".fgdiloco-write-test-{uuid.uuid4().hex[:8]}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise PreflightError("--out", f"{str(path)!r} is not writable ({e.strerror or e})") from None
+
+
+# ---------------------------------------------------------------------------------------------------- resources
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the platform has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS, Windows
+        return os.cpu_count() or 1
+
+
+def available_memory_bytes() -> int | None:
+    """Memory that can be allocated without swapping: ``MemAvailable`` of ``/proc/meminfo``, lowered to the
+    cgroup's remaining limit (``memory.max - memory.current``) when one is set; None where neither is readable."""
+    avail = None
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    with contextlib.suppress(OSError, ValueError):
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            left = int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text())
+            avail = left if avail is None else min(avail, left)
+    return avail
+
+
+def estimate_worker_bytes(cfg: TrainConfig, vocab_size: int, n_tokens: int) -> int:
+    """Resident memory one worker needs at its peak (bytes), an estimate from the configuration.
+
+    ``WORKER_BASE_BYTES`` + ``MODEL_SLACK`` x (``PARAM_COPIES`` fp32 copies of the parameters + the activations
+    of one step, forward and backward + the token ids: int32 broadcast buffer and int64 copy).
+    """
+    d, n_layer, b, t = cfg.n_embd, cfg.n_layer, cfg.batch_size, cfg.block_size
+    params = vocab_size * d + t * d + n_layer * 12 * d * d
+    per_layer = b * t * (16 * d + 2 * cfg.n_head * t)  # residual, attention, MLP (4x) and their gradients
+    logits = 3 * b * t * vocab_size  # logits, softmax, their gradient
+    activations = 4 * (n_layer * per_layer + logits)
+    return int(WORKER_BASE_BYTES + MODEL_SLACK * (4 * PARAM_COPIES * params + activations + 12 * n_tokens))
+
+
+# ---------------------------------------------------------------------------------------------------- preflight
+def preflight(cfg: TrainConfig, status: Callable[[str], Any] | None = None) -> dict[str, Any]:
+    """Check everything a run needs before a worker starts; returns what was found.
+
+    Trains (or loads from its cache) the tokenizer and encodes the text, so the workers find both in the cache.
+    ``status(text)`` is told what is going on (the command shows it as a spinner); it returns a context manager
+    or None.
+
+    Returns:
+        ``{"chars", "tokens", "train_tokens", "val_tokens", "vocab_size", "cache_dir", "worker_bytes",
+        "available_bytes", "cores", "warnings"}``.
+
+    Raises:
+        PreflightError: naming the option: ``--out`` not writable, ``--data`` unreadable or too short for
+            ``--block-size``, ``--workers`` more than free memory holds.
+    """
+    try:
+        cfg.validate()
+    except FileNotFoundError as e:
+        raise PreflightError("--data", str(e).removeprefix("--data ")) from None
+    _check_writable(Path(cfg.out))
+
+    def stage(text: str) -> Any:
+        cm = status(text) if status is not None else None
+        return cm if cm is not None else contextlib.nullcontext()
+
+    label = repr(cfg.data) if cfg.data is not None else "the bundled corpus"
+    try:
+        text = load_text(cfg.data)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        raise PreflightError("--data", f"{label}: {e}") from None
+    # memory first (seconds, not the tokenizer's minute): a token is at least one byte, so the text's UTF-8 length
+    # bounds the token count and the vocabulary asked for bounds the real one
+    bound = len(text.encode("utf-8"))
+    per_worker = estimate_worker_bytes(cfg, cfg.vocab_size if cfg.tokenizer == "bpe" else 256, bound)
+    avail = available_memory_bytes()
+    if avail is not None and cfg.workers * per_worker > avail:
+        fit = max(avail // per_worker, 0)
+        raise PreflightError("--workers", f"{cfg.workers} need about {cfg.workers} x {per_worker / 2**20:.0f} MiB "
+                                          f"= {cfg.workers * per_worker / 2**30:.1f} GiB of memory, but "
+                                          f"{avail / 2**30:.1f} GiB is free; use --workers {fit} or fewer, or a "
+                                          "smaller model")
+    cache = cache_dir_for(cfg.data, cfg.cache_dir)
+    what = (f"training a byte-level BPE tokenizer (vocabulary {cfg.vocab_size}) on {len(text) / 1e6:.1f} M "
+            "characters" if cfg.tokenizer == "bpe" else "encoding the text as bytes")
+    with stage(f"{what} (cached in {cache})"):
+        tok = build_tokenizer(text, cfg.tokenizer, cfg.vocab_size, cache_dir=cache)
+        tokens = encode_corpus(text, tok, cache_dir=cache)
+    need = cfg.block_size + 1
+    try:
+        train, val = split_tokens(tokens, cfg.val_fraction)
+    except ValueError:
+        train = val = tokens[:0]
+    if min(train.numel(), val.numel()) < need:
+        raise PreflightError("--data", f"{label} gives {tokens.numel()} tokens: {train.numel()} for training and "
+                                       f"{val.numel()} held out (--val-fraction {cfg.val_fraction}), but each "
+                                       f"needs at least --block-size + 1 = {need}; give more text or a smaller "
+                                       "--block-size")
+    cores = usable_cores()
+    warnings = []
+    if cfg.workers > cores:
+        warnings.append(f"{cfg.workers} workers share {cores} CPU core{'s' if cores > 1 else ''} (one thread "
+                        f"each): every step takes about {cfg.workers / cores:.1f}x longer than with a core each")
+    return {"chars": len(text), "tokens": int(tokens.numel()), "train_tokens": int(train.numel()),
+            "val_tokens": int(val.numel()), "vocab_size": tok.vocab_size, "cache_dir": str(cache),
+            "worker_bytes": per_worker, "available_bytes": avail, "cores": cores, "warnings": warnings}
+
+
+# ---------------------------------------------------------------------------------------------------- launch
+def _follow(path: Path, on_row: Callable[[dict[str, Any]], Any], stop: threading.Event) -> threading.Thread:
+    """A thread that calls ``on_row`` for every complete line appended to ``path`` until ``stop`` is set (then
+    reads what is left once more)."""
+    import json
+
+    def run() -> None:
+        seen = 0
+        f = None
+        buf = ""
+        try:
+            while True:
+                done = stop.is_set()
+                if f is None and path.exists():
+                    f = open(path, encoding="utf-8")  # noqa: SIM115 - closed below
+                if f is not None:
+                    buf += f.read()
+                    while "\n" in buf:
+                        line, buf = buf.split("\n", 1)
+                        with contextlib.suppress(ValueError):
+                            row = json.loads(line)
+                            seen += 1
+                            on_row(row)
+                if done:
+                    return
+                stop.wait(0.2)
+        finally:
+            if f is not None:
+                f.close()
+
+    t = threading.Thread(target=run, name="fgdiloco-metrics-follower", daemon=True)
+    t.start()
+    return t
+
+
+def _root_cause(err: Any, log_root: Path) -> WorkerFailed:
+    """The one failure of a ``ChildFailedError`` that explains the others, as a :class:`WorkerFailed`."""
+    failures = dict(err.failures)
+
+    def log_of(rank: int, f: Any) -> Path | None:
+        if f.error_file and os.path.isfile(f.error_file):
+            p = Path(f.error_file).parent / "stderr.log"
+            if p.is_file():
+                return p
+        hits = sorted(log_root.glob(f"*/attempt_*/{f.local_rank}/stderr.log"))
+        return hits[-1] if hits else None
+
+    def reason(f: Any) -> str:
+        if f.exitcode == -signal.SIGKILL:
+            return "killed by the system (SIGKILL), probably out of memory"
+        if f.exitcode < 0:
+            return f"stopped by signal {f.signal_name()}"
+        msg = f.message
+        if isinstance(msg, dict):
+            msg = msg.get("message", "")
+        msg = str(msg or "").strip()
+        if not msg or msg.startswith("To enable traceback"):
+            return f"exited with status {f.exitcode}"
+        return msg.splitlines()[-1] if "\n" in msg else msg
+
+    killed = [(r, f) for r, f in failures.items() if f.exitcode == -signal.SIGKILL]
+    raised = sorted(((r, f) for r, f in failures.items() if f.exitcode > 0 and f.error_file_data.get("message")),
+                    key=lambda rf: rf[1].timestamp)
+    rank, f = (killed or raised or sorted(failures.items(), key=lambda rf: rf[1].timestamp))[0]
+    return WorkerFailed(int(rank), reason(f), log_of(int(rank), f), traceback=f.exitcode > 0)
+
+
+def _launched_worker(cfg: TrainConfig) -> dict[str, Any]:
+    """A worker started by :func:`launch`: :func:`~fgdiloco.pretrain.worker.train_worker` with its stdout and
+    stderr kept in its log files until the process ends.
+
+    torchelastic points file descriptors 1 and 2 at the worker's log files only around the function; what runs at
+    interpreter exit (``FGDiLoCo``'s ``atexit`` drain of an interrupted exchange, say) would write to the
+    terminal. An ``atexit`` handler registered after ``fgdiloco.outer``'s (so run before it) points them back
+    at the log files.
+    """
+    import atexit
+    import sys
+
+    import fgdiloco.outer.wrapper  # noqa: F401 - its atexit handler must be registered before ours
+
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+
+    def keep_in_log() -> None:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        for fd, log_fd in saved.items():
+            with contextlib.suppress(OSError):
+                os.dup2(log_fd, fd)
+
+    atexit.register(keep_in_log)
+    return train_worker(cfg)
+
+
+def launch(cfg: TrainConfig, *, on_row: Callable[[dict[str, Any]], Any] | None = None,
+           on_start: Callable[[], Any] | None = None) -> dict[str, Any]:
+    """Start ``cfg.workers`` local worker processes with torchelastic (``torchrun --standalone``'s engine) and
+    return rank 0's summary.
+
+    Each worker runs :func:`~fgdiloco.pretrain.worker.train_worker` with ``OMP_NUM_THREADS=1``; its stdout and
+    stderr go to ``<cfg.out>/logs/<run>/attempt_0/<rank>/``. Rendezvous is ``c10d`` on ``localhost`` on a port the
+    OS picks, so concurrent jobs never collide. ``on_row`` is called (from a helper thread) with every
+    ``metrics.jsonl`` row; ``on_start`` once the workers are being started. Torchelastic's own log lines go to
+    ``<cfg.out>/logs/launcher.log``.
+
+    Raises:
+        ValueError / FileNotFoundError: an invalid configuration (checked before anything starts).
+        WorkerFailed: a worker failed; the others were stopped.
+        KeyboardInterrupt or ``torch.distributed.elastic.multiprocessing.api.SignalException``: SIGINT / SIGTERM
+            reached this process; the workers were stopped (:func:`finish_interrupted` summarises what is done).
+    """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    cfg = dataclasses.replace(cfg, run_id=cfg.run_id or uuid.uuid4().hex[:12], quiet=True)
+    cfg.validate()
+    out = Path(cfg.out)
+    log_root = out / "logs"
+    log_root.mkdir(parents=True, exist_ok=True)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=cfg.workers,
+        run_id=f"fgdiloco-{cfg.run_id}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        rdzv_configs={"timeout": 300},
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=str(log_root), redirects=Std.ALL),
+    )
+    saved_env = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM")}
+    saved_signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    handler = logging.FileHandler(log_root / "launcher.log", encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing")]
+    saved_log = [(lg.propagate, lg.level, list(lg.handlers)) for lg in loggers]
+    for lg in loggers:  # torchelastic's own lines (closing signals, failures) go to the file, not the terminal
+        lg.handlers, lg.propagate = [handler], False
+        lg.setLevel(logging.INFO)
+    stop = threading.Event()
+    follower = _follow(out / "metrics.jsonl", on_row, stop) if on_row is not None else None
+    try:
+        if on_start is not None:
+            on_start()
+        results = elastic_launch(config, _launched_worker)(cfg)
+    except ChildFailedError as e:
+        raise _root_cause(e, log_root) from None
+    finally:
+        stop.set()
+        if follower is not None:
+            follower.join(timeout=5)
+        for lg, (propagate, level, handlers) in zip(loggers, saved_log):
+            lg.handlers, lg.propagate = handlers, propagate
+            lg.setLevel(level)
+        handler.close()
+        for s, h in saved_signals.items():
+            signal.signal(s, h)
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return results[0]
+
+
+# ---------------------------------------------------------------------------------------------------- interrupted
+def finish_interrupted(out: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """Summarise a run that was stopped: ``summary.json`` marked ``"interrupted": true`` and ``loss.png`` for the
+    evaluations in ``metrics.jsonl``. A complete ``summary.json`` of the same run (it finished just before the
+    signal) is kept as it is. Returns the summary, or None when the workers had not written ``run.json`` yet
+    (nothing to summarise; nothing is written)."""
+    import json
+
+    folder = Path(out)
+    try:
+        info = json.loads((folder / "run.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    with contextlib.suppress(OSError, ValueError):
+        done = json.loads((folder / "summary.json").read_text(encoding="utf-8"))
+        if done.get("run_id") == info.get("run_id") and not done.get("interrupted"):
+            return done
+    rows = read_rows(folder / "metrics.jsonl")
+    summary = summarise(info, rows, interrupted=True)
+    write_json(folder / "summary.json", summary)
+    if rows:
+        plot(folder, rows, info["unigram_loss"], info["title"] + f" (interrupted after round {rows[-1]['round']})")
+    return summary
+
