@@ -63,8 +63,9 @@ ROW_FIELDS: dict[str, str] = {
     "mix1_wait_seconds": "rank 0: seconds waited for Mix1 to finish this round",
     "mix1_seconds": "rank 0: seconds Mix1 took in the background this round",
     "round_seconds": "rank 0: wall seconds of this round (evaluation excluded)",
-    "consensus_distance": "rank 0: L2 distance ||theta_0 - theta_peer|| to its Mix1 peer's round-start "
-                          "parameters (0: identical replicas; the peer changes every round)",
+    "consensus_distance": "rank 0: disagreement with its Mix1 peer's round-start parameters, RMS per element of "
+                          "theta_0 - theta_peer in fp32 as transmitted (size-independent; 0: identical replicas; "
+                          "the peer changes every round; FGDiLoCo's RoundStats.consensus_distance)",
     "consensus_distance_mean": "the same, mean over workers that had a Mix1 peer",
     "failed_exchanges": "rank 0's failed gossip exchanges this round",
 }
