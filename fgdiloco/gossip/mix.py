@@ -216,10 +216,10 @@ class Mixer:
         res.seconds = time.perf_counter() - t0
         return res
 
-    def _fail(self, res: MixResult, msg: str) -> None:
+    def _fail(self, res: MixResult, msg: str, outcome: str = "keeping own value for this gossip round") -> None:
         res.failed += 1
         res.errors.append(msg)
-        log.warning("fgdiloco %s: %s; keeping own value for this gossip round", self.name, msg)
+        log.warning("fgdiloco %s: %s; %s", self.name, msg, outcome)
 
     # ------------------------------------------------------------------ pair
     def _pair(self, res: MixResult, peer: int, idx: int, outer_round: int) -> float:
@@ -383,7 +383,7 @@ class Mixer:
                 decoded.append(decode_frame(f, self.codec, values, fingerprint=self.fingerprint, sender=src, round=0))
             except FrameError as e:
                 decoded.append(None)
-                self._fail(res, f"rejected frame from rank {src}: {e}")
+                self._fail(res, f"rejected frame from rank {src}: {e}", "left out of the mean by every worker")
         accepted = bytes(int(d is not None) for d in decoded)
         try:
             verdicts = self.transport.all_gather(accepted, key=key + "/accepted", timeout=self.timeout)
@@ -397,7 +397,7 @@ class Mixer:
             self._fail(res, "no frame was accepted by every worker")
             return None
         if not use[rank]:
-            self._fail(res, "our frame was rejected by a peer: the mean of the others is applied")
+            self._fail(res, "our frame was rejected by a peer", "every worker applies the mean of the accepted frames")
         count = sum(use)
         mean = []
         for t, parts in enumerate(zip(*[d if d is not None else [None] * len(values) for d in decoded])):
