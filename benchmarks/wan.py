@@ -49,26 +49,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fgdiloco.simulate import JOB as SIMULATED_JOB
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
 
-#: The job every method runs (also the "real GPT" whose codec bytes benchmarks/simulate.py measures).
-JOB: dict[str, Any] = {
-    "workers": 4,
-    "n_layer": 2,
-    "n_head": 4,
-    "n_embd": 128,
-    "vocab_size": 1024,
-    "block_size": 64,
-    "batch_size": 8,
-    "lr": 3e-3,
-    "warmup_steps": 20,
-    "weight_decay": 0.1,
-    "sync_every": 10,
-    "steps": 300,
-    "seed": 0,
-    "eval_batches": 8,
-}
+#: The job every method runs (also the "real GPT" whose codec bytes the simulator measures): one definition, in
+#: the package, since the installed ``fgdiloco simulate`` needs it without this folder.
+JOB: dict[str, Any] = dict(SIMULATED_JOB)
 
 #: method name -> TrainConfig overrides
 METHODS: dict[str, dict[str, Any]] = {
