@@ -26,16 +26,17 @@ from fgdiloco.pretrain.model import GPT, GPTConfig, GPTStage, activation_codec_f
 from tests.distributed import run_ranks
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16)
+CFG3 = GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=16)  # for 3 stages
 K = 4  # d / 4
 SEED = 3  # of U and E_fix
 M = 4  # microbatches
 B, T = 8, 16
 
 
-def subspace_gpt(k: int = K) -> GPT:
+def subspace_gpt(k: int = K, cfg: GPTConfig = CFG) -> GPT:
     """A subspace GPT with every trainable parameter moved off its initialisation (Z_tok starts at zero)."""
     torch.manual_seed(0)
-    model = GPT(CFG, subspace_rank=k, subspace_seed=SEED)
+    model = GPT(cfg, subspace_rank=k, subspace_seed=SEED)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in model.parameters():
@@ -60,9 +61,9 @@ def stage_to_model_name(stage: GPTStage, name: str) -> str:
 
 
 # ------------------------------------------------------------------ loss and gradients equal the unsplit model's
-def _pipe_grads(rank: int, world: int, schedule: str, k: int) -> dict:
-    mesh = ReplicaMesh(1, 2)
-    stage = subspace_gpt(k).split(2)[mesh.stage]
+def _pipe_grads(rank: int, world: int, schedule: str, k: int, head: str) -> dict:
+    mesh = ReplicaMesh(1, world)
+    stage = subspace_gpt(k, CFG if world == 2 else CFG3).split(world, subspace_head=head)[mesh.stage]
     pipe = Pipeline(stage, mesh, lm_loss, M, schedule, activation_codec=activation_codec_for(stage))
     idx, y = lm_batch()
     loss = pipe.step(idx, y)  # the token ids on every stage
@@ -72,17 +73,23 @@ def _pipe_grads(rank: int, world: int, schedule: str, k: int) -> dict:
     return {"loss": loss, "grads": grads, "stats": stats, "eval": held_out}
 
 
-@pytest.mark.parametrize(("schedule", "k"), [("1f1b", K), ("gpipe", K), ("1f1b", 1)])
-def test_compressed_pipeline_equals_the_unsplit_reparametrised_model(tmp_path, schedule, k):
-    res = run_ranks(_pipe_grads, 2, tmp_path, schedule, k)
-    model = subspace_gpt(k)
-    stages = model.split(2)
+@pytest.mark.parametrize(("schedule", "k", "S", "head"), [
+    ("1f1b", K, 2, "dense"), ("gpipe", K, 2, "dense"), ("1f1b", 1, 2, "dense"), ("1f1b", K, 3, "dense"),
+    ("gpipe", K, 2, "subspace"),
+])
+def test_compressed_pipeline_equals_the_unsplit_reparametrised_model(tmp_path, schedule, k, S, head):
+    res = run_ranks(_pipe_grads, S, tmp_path, schedule, k, head)
+    model = subspace_gpt(k, CFG if S == 2 else CFG3)
+    stages = model.split(S, subspace_head=head)
     idx, y = lm_batch()
     _, want_loss = model(idx, y)
     want_loss.backward()
     want = {n: p.grad for n, p in model.named_parameters()}  # the tied Z_tok: embedding + head gradients
-    head = res[1]["grads"].pop("lm_head.weight")
-    torch.testing.assert_close(res[0]["grads"]["wte.weight"] + head, want["transformer.wte.weight"],
+    head_grad = res[-1]["grads"].pop("lm_head.weight")
+    if head == "dense":  # the untied head's W = E_fix + Z_tok Uᵀ at split time: ∂L/∂Z_tok = ∂L/∂W · U
+        assert head_grad.shape == (CFG.vocab_size, CFG.n_embd)
+        head_grad = head_grad @ model.transformer.wte.U
+    torch.testing.assert_close(res[0]["grads"]["wte.weight"] + head_grad, want["transformer.wte.weight"],
                                rtol=1e-5, atol=1e-6)
     seen = {"transformer.wte.weight"}
     for s, r in zip(stages, res):
@@ -93,17 +100,18 @@ def test_compressed_pipeline_equals_the_unsplit_reparametrised_model(tmp_path, s
             torch.testing.assert_close(g, want[key], rtol=1e-5, atol=1e-6, msg=key)
             seen.add(key)
     assert seen == set(want)  # every parameter of the model is on exactly one stage
-    assert res[0]["loss"] is None and res[0]["eval"] is None
-    torch.testing.assert_close(res[1]["loss"], want_loss.detach(), rtol=1e-6, atol=1e-6)
+    assert all(r["loss"] is None and r["eval"] is None for r in res[:-1])
+    torch.testing.assert_close(res[-1]["loss"], want_loss.detach(), rtol=1e-6, atol=1e-6)
     with torch.no_grad():
-        torch.testing.assert_close(res[1]["eval"], model(*lm_batch(7))[1], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(res[-1]["eval"], model(*lm_batch(7))[1], rtol=1e-6, atol=1e-6)
 
     # bytes measured by the pipeline: exactly k fp32 numbers per token and direction, nothing else
-    s0, s1 = res[0]["stats"], res[1]["stats"]
+    stats = [r["stats"] for r in res]
     per_direction = k * B * T * 4
-    assert s0["forward_bytes_sent"] == per_direction and s0["backward_bytes_sent"] == 0
-    assert s1["backward_bytes_sent"] == per_direction and s1["forward_bytes_sent"] == 0
-    assert s0["bytes_received"] == s1["bytes_received"] == per_direction
+    for s, st in enumerate(stats):  # forward to the next stage (all but the last), backward to the previous
+        assert st["forward_bytes_sent"] == (per_direction if s < S - 1 else 0)
+        assert st["backward_bytes_sent"] == (per_direction if s > 0 else 0)
+        assert st["bytes_received"] == per_direction * (2 if 0 < s < S - 1 else 1)
     assert per_direction * CFG.n_embd // k == B * T * CFG.n_embd * 4  # d/k fewer than the dense stream
     assert activation_codec_for(stages[0]).wire_bytes(B, T).forward == per_direction
 
@@ -206,8 +214,11 @@ def test_subspace_split_chains_to_the_models_logits_with_a_basis_per_stage():
         x = idx
         for s in stages:
             x = s(x)
-        torch.testing.assert_close(x, model(idx)[0], rtol=0, atol=0)
+        # exact for S = 1; the dense head of S = 2 computes E_fix + Z_tok Uᵀ once, in another order: rounding
+        torch.testing.assert_close(x, model(idx)[0], rtol=0, atol=0 if S == 1 else 1e-6)
+    before = torch.get_rng_state()
     s0, s1 = model.split(2)
+    assert torch.equal(torch.get_rng_state(), before)  # splitting draws no random numbers
     for s in (s0, s1):
         assert s.subspace_rank == K and s.subspace_seed == SEED
         assert torch.equal(s.U, model.transformer.wte.U) and torch.equal(s.E_fix, model.transformer.wte.E_fix)
@@ -218,9 +229,20 @@ def test_subspace_split_chains_to_the_models_logits_with_a_basis_per_stage():
             if "E_fix" in m._buffers:
                 assert m.E_fix is s.E_fix
     assert s0.U is not s1.U
-    # the head's trainable Z_tok is untied from the embedding's for S > 1; kept tied for S = 1
-    assert s1.lm_head.weight is not model.transformer.wte.weight
-    assert torch.equal(s1.lm_head.weight, s0.wte.weight)
+    # S > 1: the head is untied; by default a dense vocab x d map that starts as E_fix + Z_tok Uᵀ
+    wte = model.transformer.wte
+    assert isinstance(s1.lm_head, nn.Linear) and s1.lm_head.weight.shape == (CFG.vocab_size, CFG.n_embd)
+    torch.testing.assert_close(s1.lm_head.weight, wte.E_fix + wte.weight @ wte.U.T, rtol=0, atol=0)
+    # ... or, subspace_head="subspace", the tied form's constraint with its own copy of Z_tok
+    c1 = model.split(2, subspace_head="subspace")[1]
+    assert c1.lm_head.weight is not wte.weight and torch.equal(c1.lm_head.weight, wte.weight)
+    assert c1.lm_head.E_fix is c1.E_fix and c1.lm_head.U is c1.U
+    x = idx
+    for s in model.split(2, subspace_head="subspace"):
+        x = s(x)
+    torch.testing.assert_close(x, model(idx)[0], rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"subspace_head must be one of \('dense', 'subspace'\), got 'tied'"):
+        model.split(2, subspace_head="tied")
     (one,) = model.split(1)
     assert one.lm_head.weight is one.wte.weight and one.lm_head.E_fix is one.wte.E_fix is one.E_fix
     # the boundary stream of stage 0 is in the subspace: compress / decompress is exact
@@ -244,6 +266,7 @@ def test_build_stage_is_the_seeded_models_stage_and_leaves_the_global_rng_alone(
     assert activation_codec_for(plain) is None
     assert activation_codec_for(GPT(CFG)) is None
     assert isinstance(activation_codec_for(GPT(CFG, subspace_rank=2)), SubspaceActivationCodec)
+    assert GPT(CFG, subspace_rank=2).activation_codec().k == 2 and GPT(CFG).activation_codec() is None
     with pytest.raises(RuntimeError, match="without subspace_rank"):
         plain.subspace_codec()
 
@@ -257,6 +280,7 @@ def test_build_stage_is_the_seeded_models_stage_and_leaves_the_global_rng_alone(
     ({"seed": None}, TypeError, "seed must be an int, got NoneType"),
     ({"subspace_rank": 17}, ValueError, r"subspace_rank must be None or an int in \[1, n_embd=16\]"),
     ({"config": {"vocab_size": 64}}, TypeError, "config must be a GPTConfig, got dict"),
+    ({"subspace_head": "full"}, ValueError, r"subspace_head must be one of \('dense', 'subspace'\)"),
 ])
 def test_build_stage_bad_arguments(kwargs, exc, match):
     args = {"config": CFG, "stages": 2, "stage": 0, **kwargs}
@@ -286,3 +310,9 @@ def test_activation_codec_checks_except_during_shape_inference():
         activation_codec_for(nn.Linear(2, 2))
     with pytest.raises(TypeError, match="codec must be a SubspaceCodec, got str"):
         SubspaceActivationCodec("codec")
+    wte = model.transformer.wte
+    same = SubspaceActivationCodec.from_basis(wte.U, wte.E_fix, check=False)
+    assert not same.codec.check
+    with torch.no_grad():  # unchecked: the projection of the stream, whatever it is
+        torch.testing.assert_close(same.encode(outside, inputs=idx), (outside - wte.E_fix[idx]) @ wte.U,
+                                   rtol=0, atol=1e-6)

@@ -30,6 +30,8 @@ from ..factor.subspace import (
     orthonormal_basis,
 )
 
+SUBSPACE_HEADS = ("dense", "subspace")
+
 __all__ = ["GPT", "GPTConfig", "GPTStage", "SubspaceLinear", "SubspacePositionEmbedding", "SubspaceTiedHead",
            "SubspaceTokenEmbedding", "activation_codec_for", "build_stage", "lm_loss"]
 
@@ -183,7 +185,7 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.transformer.wpe.weight.numel() if non_embedding else n
 
-    def split(self, stages: int) -> list[GPTStage]:
+    def split(self, stages: int, *, subspace_head: str = "dense") -> list[GPTStage]:
         """This model as ``stages`` pipeline stages (for :class:`fgdiloco.pipeline.Pipeline`).
 
         Stage 0 holds the token and position embeddings and the first blocks, the last stage the last blocks, the
@@ -203,13 +205,18 @@ class GPT(nn.Module):
         keeps its own copy of the fixed ``U`` and ``E_fix`` as buffers ``stage.U`` / ``stage.E_fix`` (identical
         bits on every stage; shared by the stage's modules, never parameters), which its boundary codec uses
         (:func:`activation_codec_for`): the stream crosses a boundary as ``c`` (``[B, T, k]``). The tie of the
-        head is split in two: its fixed part ``E_fix`` stays tied for ever (the same seeded table on the first
-        and the last stage, never trained), its trainable part ``Z_tok`` is untied like the plain model's
-        embedding (the head's ``Z_tok`` starts as a copy of the embedding's, zero at initialisation, and trains
-        separately), for the same reason: no per-step gradient sum between the first and the last stage.
+        head, untied for ``S > 1`` for the same reason as the plain model's (no per-step gradient sum between the
+        first and the last stage), is by default (``subspace_head="dense"``) a plain ``vocab × d`` linear map
+        initialised to the combined embedding ``E_fix + Z_tok Uᵀ`` (same logits at split time) and trained in all
+        d dimensions: the head only *reads* the residual stream, writing nothing into it, so the subspace need
+        not constrain it once the tie is broken. ``subspace_head="subspace"`` keeps the tied form's constraint
+        instead (:class:`SubspaceTiedHead` over the last stage's ``E_fix`` / ``U`` with its own copy of
+        ``Z_tok``: only ``vocab × k`` numbers train). ``stages=1`` keeps the tie (and the constraint).
 
         Args:
             stages: S, an int in ``[1, n_layer]``.
+            subspace_head: ``"dense"`` or ``"subspace"``: the last stage's head of a subspace model for S > 1
+                (see above; ignored for a plain model and for S = 1).
 
         Returns:
             ``S`` :class:`GPTStage` modules: stage 0 takes token ids ``[B, T]``, every other stage the residual
@@ -219,7 +226,7 @@ class GPT(nn.Module):
 
         Raises:
             TypeError: ``stages`` not an int.
-            ValueError: ``stages`` outside ``[1, n_layer]``.
+            ValueError: ``stages`` outside ``[1, n_layer]``, ``subspace_head`` not ``"dense"`` / ``"subspace"``.
         """
         if isinstance(stages, bool) or not isinstance(stages, int):
             raise TypeError(f"stages must be an int in [1, n_layer={self.config.n_layer}], got "
@@ -227,11 +234,13 @@ class GPT(nn.Module):
         if not 1 <= stages <= self.config.n_layer:
             raise ValueError(f"stages must be in [1, n_layer={self.config.n_layer}] (every stage holds at least "
                              f"one block), got {stages}")
+        if subspace_head not in SUBSPACE_HEADS:
+            raise ValueError(f"subspace_head must be one of {SUBSPACE_HEADS}, got {subspace_head!r}")
         per, extra = divmod(self.config.n_layer, stages)
         out, start = [], 0
         for s in range(stages):
             stop = start + per + (1 if s < extra else 0)
-            out.append(GPTStage(self, s, stages, range(start, stop)))
+            out.append(GPTStage(self, s, stages, range(start, stop), subspace_head=subspace_head))
             start = stop
         return out
 
@@ -506,16 +515,18 @@ class GPTStage(nn.Module):
 
     Attributes: ``config``; ``layers`` (the global indices of the blocks held); ``wte``, ``wpe``, ``drop`` on the
     first stage; ``ln_f``, ``lm_head`` on the last; ``h`` (the blocks) on every stage; ``subspace_rank``,
-    ``subspace_seed`` (None / the model's); for a subspace model the buffers ``U`` (``n_embd × k``) and ``E_fix``
-    (``vocab_size × n_embd``), this stage's own copies, shared by its modules.
+    ``subspace_seed`` (None / the model's), ``subspace_head`` (see :meth:`GPT.split`); for a subspace model the
+    buffers ``U`` (``n_embd × k``) and ``E_fix`` (``vocab_size × n_embd``), this stage's own copies, shared by its
+    modules.
     """
 
-    def __init__(self, model: GPT, index: int, stages: int, layers: range):
+    def __init__(self, model: GPT, index: int, stages: int, layers: range, *, subspace_head: str = "dense"):
         super().__init__()
         self.config = model.config
         self.index, self.stages, self.layers = index, stages, layers
         self.is_first, self.is_last = index == 0, index == stages - 1
         self.subspace_rank, self.subspace_seed = model.subspace_rank, model.subspace_seed
+        self.subspace_head = subspace_head
         t = model.transformer
         # one memo for the whole stage: tensors shared inside the model (U, E_fix, a tie) stay shared in the stage
         memo: dict[int, object] = {}
@@ -531,7 +542,14 @@ class GPTStage(nn.Module):
         self.h = nn.ModuleList(copy.deepcopy(t.h[i], memo) for i in layers)
         if self.is_last:
             self.ln_f = copy.deepcopy(t.ln_f, memo)
-            self.lm_head = copy.deepcopy(model.lm_head, memo)
+            if model.subspace_rank is not None and not self.is_first and subspace_head == "dense":
+                head = model.lm_head  # reads the stream, writes nothing into it: unconstrained once untied
+                self.lm_head = nn.utils.skip_init(nn.Linear, self.config.n_embd, self.config.vocab_size, bias=False,
+                                                  device=head.weight.device, dtype=head.weight.dtype)  # no RNG
+                with torch.no_grad():
+                    self.lm_head.weight.copy_(head.E_fix + head.weight @ head.U.T)
+            else:
+                self.lm_head = copy.deepcopy(model.lm_head, memo)
             if self.is_first:
                 self.wte.weight = self.lm_head.weight  # one stage: the tie is kept
 
@@ -589,7 +607,7 @@ def activation_codec_for(model: GPT | GPTStage, *, check: bool = True, tol: floa
 
 
 def build_stage(config: GPTConfig, stages: int, stage: int, *, subspace_rank: int | None = None,
-                subspace_seed: int = 0, seed: int = 0) -> GPTStage:
+                subspace_seed: int = 0, seed: int = 0, subspace_head: str = "dense") -> GPTStage:
     """Stage ``stage`` of ``stages`` of the model ``torch.manual_seed(seed); GPT(config, subspace_rank,
     subspace_seed)`` builds (:meth:`GPT.split`), with the global RNG left as it was: every rank that calls it with
     the same arguments gets the stage of the same model, so the stages of a replica fit together. Pair it with
@@ -601,6 +619,7 @@ def build_stage(config: GPTConfig, stages: int, stage: int, *, subspace_rank: in
         stage: this rank's stage, an int in ``[0, S)`` (``ReplicaMesh.stage``).
         subspace_rank, subspace_seed: as :class:`GPT` (None: the plain model).
         seed: the seed of the parameters' initialisation (int >= 0).
+        subspace_head: the last stage's head of a subspace model, ``"dense"`` or ``"subspace"`` (:meth:`GPT.split`).
 
     Raises:
         TypeError, ValueError: an argument of the wrong type or out of range (before anything is built).
@@ -616,7 +635,9 @@ def build_stage(config: GPTConfig, stages: int, stage: int, *, subspace_rank: in
     if stage >= stages:
         raise ValueError(f"stage must be an int in [0, stages={stages}), got {stage}")
     _check_subspace_args(config, subspace_rank, subspace_seed)
+    if subspace_head not in SUBSPACE_HEADS:
+        raise ValueError(f"subspace_head must be one of {SUBSPACE_HEADS}, got {subspace_head!r}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = GPT(config, subspace_rank=subspace_rank, subspace_seed=subspace_seed)
-    return model.split(stages)[stage]
+        return model.split(stages, subspace_head=subspace_head)[stage]
