@@ -10,31 +10,30 @@ Run from the repository root::
 **Default: 2 replicas × 2 stages** (``--out benchmarks/results/subspace_pipeline.json``). The example GPT on the
 bundled text (``benchmarks.pipeline``'s set-up: 4 layers, d = 128, BPE vocabulary 1024, context 64) on 4 real Gloo
 ranks (fork + TCPStore): each rank builds its stage with :func:`fgdiloco.pretrain.model.build_stage`, runs it in a
-:class:`fgdiloco.pipeline.Pipeline` (1F1B, 4 microbatches) with :func:`~fgdiloco.pretrain.model.activation_codec_for`
-as the activation codec, and FG-DiLoCo (``mesh=...``, random topology, default codecs, H = 20) gossips each stage
-with the other replica's. Unconstrained (``GPT(config)``, the stream x travels) and k ∈ {d/4, d/8, d/16}
-(``subspace_rank=k``, c travels; the last stage's untied head dense, ``GPT.split``'s default; and k = d/8 once more
-with the head constrained like the tied one, ``--subspace-head``) see the same batches in the same order, the same
-steps, so the same tokens. The
-bytes are those the pipeline measured on the wire (``PipelineStats``: forward activations sent by stage 0,
-gradients sent back by stage 1, per step and replica), against the uncompressed boundary in fp32 and bf16; the
-token ids never travel (every stage reads the batch). Held-out loss: through the pipeline, fixed held-out
-batches, mean over the replicas, at the end. Wall time per step: median over steps (the first, with the
-schedule's shape inference, left out) of pipeline step + optimiser step, the slower stage; the machine is shared,
-so only the bytes and losses are clean.
+:class:`fgdiloco.pipeline.Pipeline` (1F1B, 4 microbatches) with
+:func:`~fgdiloco.pretrain.model.activation_codec_for` as the activation codec, and FG-DiLoCo (``mesh=...``, random
+topology, default codecs, H = 20) gossips each stage with the other replica's. Unconstrained (``GPT(config)``, the
+stream x travels) and k ∈ {d/4, d/8, d/16} (``subspace_rank=k``, c travels; the last stage's untied head dense,
+``GPT.split``'s default; and k = d/8 once more with the head constrained like the tied one, ``--subspace-head``) see
+the same batches in the same order, the same steps, so the same tokens. The bytes are those the pipeline measured on
+the wire (``PipelineStats``: forward activations sent by stage 0, gradients sent back by stage 1, per step and
+replica), against the uncompressed boundary in fp32 and bf16; the token ids never travel (every stage reads the
+batch). Held-out loss: through the pipeline, fixed held-out batches, mean over the replicas, at the end. Wall time
+per step: median over steps (the first, with the schedule's shape inference, left out) of pipeline step + optimiser
+step, the slower stage; the machine is shared, so only the bytes and losses are clean.
 
-**``--simulated``** (``--out benchmarks/results/subspace.json``):
-The example GPT (``fgdiloco pretrain``'s architecture: 4 pre-norm blocks, d = 128, 4 heads, the bundled corpus
-with its 2048-token BPE) is trained once unconstrained and once per subspace rank k (``GPT(config,
-subspace_rank=k)``, Ramasinghe et al., "Subspace Networks", arXiv 2506.01260) with the same seed, the same batches
-in the same order, the same number of steps (so the same tokens) and ``fgdiloco pretrain``'s inner optimiser
-(AdamW, warm-up then cosine, clipping). Single process, as two simulated pipeline stages: blocks ``[0, L/2)``,
-then the boundary, then blocks ``[L/2, L)`` and the head. The unconstrained model sends ``x`` (d numbers per token)
-across the boundary, the subspace model sends ``c = Uᵀ(x − E_fix[tokens])`` (k numbers per token) through
-:meth:`~fgdiloco.factor.SubspaceCodec.boundary_out` / ``boundary_in``; backward, ``∂L/∂x`` (d per token) or
-``∂L/∂c`` (k per token) comes back. The bytes reported are those of the tensors that actually cross, per optimiser
-step and boundary, fp32, against the uncompressed boundary in fp32 and in bf16; token ids do not travel (every stage
-reads the batch; with int32 ids sent along, add 4 bytes per token forward: the ``ratio_fp32_with_ids`` column).
+**``--simulated``** (``--out benchmarks/results/subspace.json``): the example GPT (``fgdiloco pretrain``'s
+architecture: 4 pre-norm blocks, d = 128, 4 heads, the bundled corpus with its 2048-token BPE) is trained once
+unconstrained and once per subspace rank k (``GPT(config, subspace_rank=k)``, Ramasinghe et al., "Subspace
+Networks", arXiv 2506.01260) with the same seed, the same batches in the same order, the same number of steps (so
+the same tokens) and ``fgdiloco pretrain``'s inner optimiser (AdamW, warm-up then cosine, clipping). Single process,
+as two simulated pipeline stages: blocks ``[0, L/2)``, then the boundary, then blocks ``[L/2, L)`` and the head. The
+unconstrained model sends ``x`` (d numbers per token) across the boundary, the subspace model sends ``c = Uᵀ(x −
+E_fix[tokens])`` (k numbers per token) through :meth:`~fgdiloco.factor.SubspaceCodec.boundary_out` /
+``boundary_in``; backward, ``∂L/∂x`` (d per token) or ``∂L/∂c`` (k per token) comes back. The bytes reported are
+those of the tensors that actually cross, per optimiser step and boundary, fp32, against the uncompressed boundary
+in fp32 and in bf16; token ids do not travel (every stage reads the batch; with int32 ids sent along, add 4 bytes
+per token forward: the ``ratio_fp32_with_ids`` column).
 
 Reported per variant: held-out loss at equal tokens (mean over fixed validation batches, at the end and along the
 way; per seed and the mean over seeds), its ratio to the unconstrained run (of the means, and per seed: at this
@@ -354,7 +353,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"\n{'variant':<26}{'held-out':>10}{'vs unc.':>9}{'per seed':>16}{'bytes/step':>12}{'vs fp32':>9}"
+    print(f"\n{'variant':<14}{'held-out':>10}{'vs unc.':>9}{'per seed':>16}{'bytes/step':>12}{'vs fp32':>9}"
           f"{'vs bf16':>9}{'ms/step':>9}")
     for v in variants:
         per_seed = " ".join(f"{r:.3f}" for r in v["loss_ratio_per_seed"])
