@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--slow-ms", type=float, default=50.0)
     p.add_argument("--csv", default=None, help="CSVLogger directory")
     p.add_argument("--ckpt-dir", default=None, help="ModelCheckpoint at every epoch end (save_top_k=1)")
+    p.add_argument("--keep-checkpoints", action="store_true", help="ModelCheckpoint(save_top_k=-1): keep all")
     p.add_argument("--resume", default=None, help="ckpt_path for trainer.fit")
     p.add_argument("--growth-patience", type=int, default=5)
     p.add_argument("--stages", type=int, default=0,
@@ -205,7 +206,8 @@ def main(argv: list[str] | None = None) -> None:
     monitor = GossipMonitor(growth_patience=args.growth_patience)
     callbacks = [recorder, monitor]
     if args.ckpt_dir:
-        callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, filename="{epoch}", save_top_k=1,
+        callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, filename="{epoch}",
+                                         save_top_k=-1 if args.keep_checkpoints else 1,
                                          every_n_epochs=1, save_last=False))
     trainer = pl.Trainer(
         strategy=strategy,
