@@ -104,13 +104,13 @@ def test_two_by_two_equals_diloco_of_the_unsplit_model_and_resumes_the_same_traj
         torch.testing.assert_close(resumed[rank]["final_params"], full[rank]["final_params"], rtol=1e-6, atol=1e-7)
 
 
-def test_resume_with_other_pipeline_stages_is_refused(tmp_path):
-    """A 2 x 2 checkpoint cannot resume as 4 x 1 (its parts hold half-models): the error names the
-    ``pipeline_stages`` it needs. The 2 x 2 run uses manual optimisation (``pipeline_step``, then a no-op
-    ``manual_backward`` and ``opt.step()``) and equals the plain unsplit DiLoCo too."""
+def test_gradient_accumulation_and_a_resume_with_other_pipeline_stages(tmp_path):
+    """``accumulate_grad_batches=2`` of batches of 4 (2 microbatches of 2) is the plain unsplit DiLoCo with batches
+    of 8: the pipeline's gradients survive Lightning's ``zero_grad`` and add up like its own backward. The 2 x 2
+    checkpoint then cannot resume as 4 x 1 (its parts hold half-models): the error names ``pipeline_stages``."""
     common = ("--sync-every", "3", "--samples", "96", "--max-epochs", "1", "--topology", "allreduce")
-    first = _launch(tmp_path / "first", *common, "--stages", "2", "--manual", "--ckpt-dir", str(tmp_path / "ckpt"),
-                    devices=4)
+    first = _launch(tmp_path / "first", *common, "--stages", "2", "--batch-size", "4", "--accumulate", "2",
+                    "--ckpt-dir", str(tmp_path / "ckpt"), devices=4)
     reference = run_ranks(_plain_wrapper, 2, tmp_path, 96, 8, 1, 3, 0)
     for rank, out in enumerate(first):
         replica, stage = divmod(rank, 2)
@@ -120,3 +120,17 @@ def test_resume_with_other_pipeline_stages_is_refused(tmp_path):
                                        rtol=1e-5, atol=1e-6)
     with pytest.raises(pytest.fail.Exception, match="pipeline_stages=1; resume with the same pipeline_stages"):
         _launch(tmp_path / "again", *common, "--resume", str(tmp_path / "ckpt" / "epoch=0.ckpt"), devices=4)
+
+
+def test_manual_optimisation_through_pipeline_step(tmp_path):
+    """Manual optimisation: ``pipeline_step``, a no-op ``manual_backward`` (hooks only), ``opt.step()``: the same
+    rounds as the plain unsplit DiLoCo."""
+    first = _launch(tmp_path / "manual", "--sync-every", "3", "--samples", "96", "--topology", "allreduce",
+                    "--stages", "2", "--manual", devices=4)
+    reference = run_ranks(_plain_wrapper, 2, tmp_path, 96, 8, 1, 3, 0)
+    for rank, out in enumerate(first):
+        replica, stage = divmod(rank, 2)
+        assert out["global_step"] == 6 and out["rounds"] == 2
+        for k in range(2):
+            torch.testing.assert_close(out["round_params"][k], _split(reference[replica][0][k], stage),
+                                       rtol=1e-5, atol=1e-6)
