@@ -4,6 +4,35 @@ One process per replica, as with DDP, but no ``DistributedDataParallel``: the re
 shards without a per-step gradient all-reduce, and every ``sync_every`` optimizer steps the outer round of
 :class:`fgdiloco.FGDiLoCo` (gossip Mix1 / Mix2 and the local Nesterov outer step) brings them back together.
 
+Pipeline stages (``pipeline_stages=S > 1``)
+------------------------------------------
+The processes form a :class:`fgdiloco.ReplicaMesh` of ``R = world // S`` replicas x ``S`` stages (global rank =
+``replica * S + stage``); each rank holds one stage, the stages of a replica pass activations through a
+:class:`fgdiloco.pipeline.Pipeline` (``n_microbatches`` per batch, ``pipeline_schedule`` "1f1b" or "gpipe"), and
+each stage gossips with the same stage of the other replicas (``FGDiLoCo(stage, inner, mesh=mesh)``). The
+LightningModule's contract:
+
+* ``configure_pipeline_stage(self, stage: int, stages: int) -> nn.Module`` builds this rank's stage (called once,
+  after ``setup`` / ``configure_model`` and before checkpoint restore and ``configure_optimizers``; the data module
+  is set up by then). The strategy keeps it as ``module.pipeline_module``; the module must hold no other parameters
+  (``ValueError``), so ``self.parameters()`` in ``configure_optimizers`` are the stage's. Stage 0 takes the batch's
+  inputs, the last stage's output goes to ``pipeline_loss``.
+* ``pipeline_loss(self, output, target) -> Tensor``: the mean loss over a microbatch, on the last stage.
+* ``training_step`` calls ``loss = self.trainer.strategy.pipeline_step(inputs, target)`` on every rank with the
+  replica's batch (the ``DistributedSampler`` is indexed by replica: ``num_replicas=R, rank=replica``, so all stages
+  of a replica see the same batches), logs it and returns it. The forward and backward run there; the gradients
+  are kept aside past Lightning's ``zero_grad`` and added in the strategy's ``backward`` (which runs no autograd but
+  the precision plugin's and ``on_before_backward`` / ``on_after_backward`` hooks), so automatic optimisation,
+  gradient accumulation, LR schedulers and callbacks work unchanged. The loss is broadcast from the last stage to
+  the replica's other stages (one scalar per step on the pipeline group), so ``self.log`` shows the replica's loss
+  on every rank (and the loggers, on rank 0, replica 0's). Manual optimisation: ``pipeline_step`` then
+  ``opt.step()`` (``manual_backward`` is optional and does nothing more).
+* ``validation_step`` / ``test_step`` use ``self.trainer.strategy.pipeline_eval(inputs, target)`` (forward only).
+  Batches of one kind must keep one shape whose dim 0 divides into ``n_microbatches`` (use ``drop_last=True``).
+
+Not supported with ``S > 1``: ``precision="16-mixed"`` (its GradScaler, ``ValueError``); gradient clipping acts on
+each stage's own gradients (a per-stage norm, not the whole model's).
+
 Checkpoints
 -----------
 Replicas differ between (and, with gossip, after) outer rounds, so one file cannot hold the job. For a checkpoint
@@ -19,9 +48,15 @@ written to ``PATH`` (``trainer.save_checkpoint(PATH)`` or ``ModelCheckpoint``; e
   ``state_dict``, ``optimizer_states``, precision-plugin state and ``fgdiloco`` state, plus ``rank`` and
   ``world_size``.
 
+With ``pipeline_stages=S > 1`` the same files hold one part per (replica, stage): rank ``r`` = ``replica * S +
+stage`` writes its stage's weights, inner optimizer and FGDiLoCo state (``PATH`` for rank 0, i.e. stage 0 of
+replica 0), and the metadata and parts also record ``stages``, ``replica`` and ``stage``.
+
 ``trainer.fit(model, ckpt_path=PATH)`` on the same number of processes restores on every rank its own replica (rank
 0 from ``PATH``, rank ``r`` from its part) and continues the same trajectory: the initial broadcast of rank 0's
-weights is skipped. A different number of processes is refused with a ``ValueError``.
+weights is skipped. A different number of processes, or of ``pipeline_stages``, is refused with a ``ValueError``.
+With ``S > 1`` ``trainer.validate/test(ckpt_path=PATH)`` also read each rank's own part (rank 0's weights are not
+copied to the other ranks: they hold other stages).
 ``LightningModule.load_from_checkpoint(PATH)`` gives rank 0's replica. ``ModelCheckpoint`` removes the parts
 together with ``PATH``; with ``save_last="link"`` the ``last`` link points at ``PATH`` only, so resume from the
 linked file's own path.
@@ -611,19 +646,26 @@ if _pl is not None:
 
             trainer = Trainer(strategy="fgdiloco", accelerator="cpu", devices=4)
             trainer = Trainer(strategy=FGDiLoCoStrategy(sync_every=100, topology="exponential"), devices=8)
+            trainer = Trainer(strategy=FGDiLoCoStrategy(pipeline_stages=2, n_microbatches=4), devices=8)  # 4 x 2
 
         Args:
             sync_every, outer_lr, outer_momentum, nesterov, topology, mix1_rounds, mix2_rounds, codec, mix1_codec,
                 mix_momentum, timeout, seed, broadcast_init: as in :class:`fgdiloco.FGDiLoCo` (same defaults, except
                 ``sync_every=50``); ``timeout`` is the gossip exchange timeout in seconds. All ranks of the job
                 gossip (the default process group).
+            pipeline_stages: S, pipeline stages per replica (int >= 1 dividing the number of processes; default 1:
+                one process per replica, no pipeline). With S > 1 the LightningModule implements the pipeline
+                contract (module docstring of :mod:`lightning_callbacks.strategy`) and the gossip runs among the
+                same stage of the ``world // S`` replicas; the mesh timeout is ``timeout``.
+            n_microbatches: microbatches per batch (int >= 1; >= S for "1f1b"; default: S).
+            pipeline_schedule: ``"1f1b"`` (default) or ``"gpipe"``, as in :class:`fgdiloco.pipeline.Pipeline`.
             accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
                 process_group_backend, start_method: as in ``DDPStrategy`` (normally filled in by the Trainer).
             process_group_timeout: DDP's ``timeout`` of the default process group (a ``timedelta``).
 
         Raises:
             TypeError, ValueError: a wrong argument, when the strategy (or ``Trainer``) is built, with FGDiLoCo's
-                message.
+                message; ``pipeline_stages`` that does not divide the processes when the ``Trainer`` is built.
         """
 
         _namespace = _pl

@@ -62,7 +62,8 @@ def test_two_by_two_equals_diloco_of_the_unsplit_model_and_resumes_the_same_traj
     * The logged ``train_loss`` / ``val_loss`` (``pipeline_eval`` in ``validation_step``) are the replica's on both
       of its stages.
     * Every rank writes its own part of the epoch-0 checkpoint; ``fit(ckpt_path=...)`` in new processes restores
-      each (replica, stage) and continues the uninterrupted run's trajectory.
+      each (replica, stage) and continues the uninterrupted run's trajectory; ``validate(ckpt_path=...)`` then
+      loads every rank's own part of the final checkpoint.
     """
     common = ("--stages", "2", "--microbatches", "2", "--topology", "allreduce", "--sync-every", "5",
               "--samples", "96", "--max-epochs", "2", "--val")
@@ -95,7 +96,15 @@ def test_two_by_two_equals_diloco_of_the_unsplit_model_and_resumes_the_same_traj
     assert sum(t.numel() for t in part["state_dict"].values()) == HIDDEN + 1  # stage 1's weights only
     assert part[CHECKPOINT_KEY]["round"] == 1 and part["optimizer_states"][0]["state"]  # FGDiLoCo + AdamW state
 
-    resumed = _launch(tmp_path / "resumed", *common, "--resume", str(ckpt), devices=4)
+    end = tmp_path / "ckpt" / "epoch=1.ckpt"  # written after the last step: the final parameters
+    resumed = _launch(tmp_path / "resumed", *common, "--resume", str(ckpt), "--validate-ckpt", str(end), devices=4)
+    for replica in range(2):  # trainer.validate(ckpt_path=...) reads every rank's own part, copies nothing
+        for stage in range(2):
+            rank = 2 * replica + stage
+            torch.testing.assert_close(resumed[rank]["validate"]["params"], full[rank]["final_params"], rtol=0,
+                                       atol=0)
+        first, last = (resumed[2 * replica + s]["validate"]["metrics"]["val_loss"] for s in range(2))
+        assert first == last and 0 < first < 10
     for rank in range(4):
         assert resumed[rank]["rounds"] == 2 and resumed[rank]["global_step"] == 12
         assert len(resumed[rank]["round_params"]) == 1  # round 2 ended after the resume

@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ckpt-dir", default=None, help="ModelCheckpoint at every epoch end (save_top_k=1)")
     p.add_argument("--keep-checkpoints", action="store_true", help="ModelCheckpoint(save_top_k=-1): keep all")
     p.add_argument("--resume", default=None, help="ckpt_path for trainer.fit")
+    p.add_argument("--validate-ckpt", default=None, help="after fit: trainer.validate(ckpt_path=...)")
     p.add_argument("--growth-patience", type=int, default=5)
     p.add_argument("--stages", type=int, default=0,
                    help="pipeline_stages (> 0: the module implements configure_pipeline_stage)")
@@ -249,6 +250,9 @@ def main(argv: list[str] | None = None) -> None:
         "stage": getattr(trainer.strategy, "stage", None),
         "pipeline": repr(trainer.strategy.pipeline) if getattr(trainer.strategy, "pipeline", None) else None,
     }
+    if args.validate_ckpt:
+        metrics = trainer.validate(model, ckpt_path=args.validate_ckpt, verbose=False)
+        out["validate"] = {"params": flat_params(model), "metrics": {k: float(v) for k, v in metrics[0].items()}}
     os.makedirs(args.out, exist_ok=True)
     torch.save(out, os.path.join(args.out, f"rank{trainer.global_rank}.pt"))
 
