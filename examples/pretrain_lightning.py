@@ -1,6 +1,7 @@
 """Pretrain a small GPT with Factored Gossip DiLoCo: the Lightning way in.
 
     python examples/pretrain_lightning.py [--data PATH] [--workers 4] [--steps 200] [--sync-every 50]
+    python examples/pretrain_lightning.py --workers 4 --stages 2      # 2 replicas x 2 pipeline stages
 
 The same GPT and the same real text as ``fgdiloco pretrain`` (``fgdiloco.pretrain.model`` / ``data``; default:
 the bundled public-domain corpus), as a ``LightningModule`` + ``LightningDataModule``, trained with
@@ -9,6 +10,11 @@ ordinary AdamW steps on each replica's own shard of random text windows, and eve
 round that gossips with a peer. ``GossipMonitor`` shows utilisation and consensus distance in the progress bar and
 logs every round's diagnostics to ``<out>/lightning_logs/version_*/metrics.csv``. The defaults take a couple of
 minutes on a 2-core CPU.
+
+With ``--stages S`` every replica is S processes holding one pipeline stage each (``GPT.split(S)``):
+``FGDiLoCoStrategy(pipeline_stages=S, n_microbatches=m)`` with :class:`PipelinedGPTModule`, which implements the
+strategy's pipeline contract (``configure_pipeline_stage`` / ``pipeline_loss``, ``training_step`` through
+``trainer.strategy.pipeline_step``); gossip runs among the same stage of the ``workers / S`` replicas.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import fgdiloco  # noqa: F401 - registers strategy="fgdiloco"
 from fgdiloco.pretrain import data
-from fgdiloco.pretrain.model import GPT, GPTConfig
+from fgdiloco.pretrain.model import GPT, GPTConfig, lm_loss
 from lightning_callbacks import FGDiLoCoStrategy, GossipMonitor
 
 
@@ -113,10 +119,38 @@ class GPTModule(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sch, "interval": "step"}}
 
 
+class PipelinedGPTModule(GPTModule):
+    """:class:`GPTModule` as pipeline stages: the strategy's contract for ``pipeline_stages > 1``. The module holds
+    no parameters itself; ``configure_pipeline_stage`` returns this rank's stage, which the strategy keeps as
+    ``self.pipeline_module`` (so ``self.parameters()`` in ``configure_optimizers`` are the stage's)."""
+
+    def configure_model(self) -> None:  # the model is built per stage, below
+        pass
+
+    def configure_pipeline_stage(self, stage: int, stages: int) -> torch.nn.Module:
+        # the same seed on every rank: the stages of one replica fit together (and replicas start alike)
+        torch.manual_seed(0)
+        vocab = self.trainer.datamodule.tokenizer.vocab_size
+        return GPT(GPTConfig(vocab_size=vocab, block_size=self.hparams.block_size)).split(stages)[stage]
+
+    def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return lm_loss(logits, targets)  # mean over the microbatch
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.trainer.strategy.pipeline_step(*batch)  # forward + backward through the replica's stages
+        self.log("train_loss", loss, prog_bar=True)  # the replica's loss, on each of its stages
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self.trainer.strategy.pipeline_eval(*batch), prog_bar=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", default=None, help="text file or folder (default: the bundled corpus)")
-    p.add_argument("--workers", type=int, default=4, help="replicas = processes")
+    p.add_argument("--workers", type=int, default=4, help="processes = replicas x stages")
+    p.add_argument("--stages", type=int, default=None, help="pipeline stages per replica (default: no pipeline)")
+    p.add_argument("--microbatches", type=int, default=4, help="microbatches per batch with --stages")
     p.add_argument("--steps", type=int, default=200, help="inner steps per replica")
     p.add_argument("--sync-every", type=int, default=None, help="inner steps per outer round (default: 50)")
     p.add_argument("--topology", default=None, help="random (default), exponential, ring or allreduce")
@@ -134,9 +168,14 @@ def main() -> None:
 
     gossip = {k: v for k, v in (("sync_every", args.sync_every), ("topology", args.topology),
                                 ("codec", args.codec), ("outer_momentum", args.outer_momentum)) if v is not None}
+    if args.stages is not None:
+        if args.stages < 1 or args.workers % args.stages:
+            p.error(f"--stages must be >= 1 and divide --workers ({args.workers}), got {args.stages}")
+        gossip.update(pipeline_stages=args.stages, n_microbatches=args.microbatches)
     strategy = FGDiLoCoStrategy(**gossip) if gossip else "fgdiloco"
+    replicas = args.workers // (args.stages or 1)
     dm = TextData(args.data, args.vocab_size, args.block_size, args.batch_size,
-                  train_windows=args.steps * args.batch_size * args.workers)
+                  train_windows=args.steps * args.batch_size * replicas)
     monitor = GossipMonitor()
     trainer = pl.Trainer(
         strategy=strategy,
@@ -150,13 +189,18 @@ def main() -> None:
         log_every_n_steps=10,
         enable_checkpointing=False,
     )
-    module = GPTModule(args.block_size, steps=args.steps)
+    module = (PipelinedGPTModule if args.stages is not None else GPTModule)(args.block_size, steps=args.steps)
     trainer.fit(module, datamodule=dm)
 
     fgd = trainer.strategy.fgdiloco
     if trainer.is_global_zero:
         last = monitor.history[-1] if monitor.history else {}
-        print(f"\n{trainer.world_size} replicas, {fgd.round} outer rounds of {fgd.sync_every} steps; "
+        pipe = trainer.strategy.pipeline
+        if pipe is not None:
+            print(f"\n{replicas} replicas x {args.stages} stages ({pipe.schedule_name}, {pipe.n_microbatches} "
+                  f"microbatches): rank 0 sent {pipe.activation_bytes_sent_total / 1e6:.1f} MB of activations and "
+                  f"gradients, last step's bubble {pipe.last_step.bubble:.0%}", end="")
+        print(f"\n{replicas} replicas, {fgd.round} outer rounds of {fgd.sync_every} steps; "
               f"held-out loss {float(trainer.callback_metrics['val_loss']):.3f} "
               f"(unigram baseline {dm.unigram:.3f}); last round: utilisation "
               f"{last.get('gossip/utilisation', float('nan')):.0%}, consensus distance "

@@ -36,6 +36,17 @@ def make_dataset(n: int, seed: int = 1234) -> TensorDataset:
     return TensorDataset(x, y)
 
 
+def make_stage(seed: int, stage: int, stages: int) -> nn.Module:
+    """Stage ``stage`` of ``make_model(seed)`` split in two: ``[Linear, Tanh]`` and ``[Linear]`` (``stages=1``: the
+    whole model). Chained, the stages are ``make_model(seed)`` with the same parameters."""
+    layers = list(make_model(seed))
+    if stages == 1:
+        return nn.Sequential(*layers)
+    if stages != 2:
+        raise ValueError(f"the test model splits into 1 or 2 stages, got {stages}")
+    return nn.Sequential(*(layers[:2] if stage == 0 else layers[2:]))
+
+
 def make_inner_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=INNER_LR)
 
@@ -65,8 +76,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--slow-ms", type=float, default=50.0)
     p.add_argument("--csv", default=None, help="CSVLogger directory")
     p.add_argument("--ckpt-dir", default=None, help="ModelCheckpoint at every epoch end (save_top_k=1)")
+    p.add_argument("--keep-checkpoints", action="store_true", help="ModelCheckpoint(save_top_k=-1): keep all")
     p.add_argument("--resume", default=None, help="ckpt_path for trainer.fit")
+    p.add_argument("--validate-ckpt", default=None, help="after fit: trainer.validate(ckpt_path=...)")
     p.add_argument("--growth-patience", type=int, default=5)
+    p.add_argument("--stages", type=int, default=0,
+                   help="pipeline_stages (> 0: the module implements configure_pipeline_stage)")
+    p.add_argument("--microbatches", type=int, default=2)
+    p.add_argument("--schedule", default="1f1b")
+    p.add_argument("--val", action="store_true", help="validate every epoch (through pipeline_eval with --stages)")
     args = p.parse_args(argv)
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -140,16 +158,57 @@ def main(argv: list[str] | None = None) -> None:
         def on_train_start(self, trainer, pl_module):
             self._round = trainer.strategy.fgdiloco.round
 
+    class PipelinedRegressor(pl.LightningModule):
+        """The same regressor under the pipeline contract: no parameters of its own, one stage per rank."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = not args.manual
+
+        def configure_pipeline_stage(self, stage: int, stages: int) -> nn.Module:
+            return make_stage(args.seed, stage, stages)
+
+        def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return ((output - target) ** 2).mean()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = self.trainer.strategy.pipeline_step(x, y)
+            self.log("train_loss", loss, prog_bar=True)
+            if args.manual:
+                opt = self.optimizers()
+                self.manual_backward(loss)  # a no-op after pipeline_step (the backward ran in the pipeline)
+                opt.step()
+                opt.zero_grad()
+                return None
+            return loss
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val_loss", self.trainer.strategy.pipeline_eval(x, y))
+
+        def configure_optimizers(self):
+            return make_inner_optimizer(self.parameters())
+
+        def train_dataloader(self):
+            return DataLoader(make_dataset(args.samples), batch_size=args.batch_size)
+
+        def val_dataloader(self):
+            return DataLoader(make_dataset(32, seed=99), batch_size=args.batch_size)
+
     if args.strategy_string:
         strategy = "fgdiloco"
     else:
+        pipeline = {} if not args.stages else dict(pipeline_stages=args.stages, n_microbatches=args.microbatches,
+                                                    pipeline_schedule=args.schedule)
         strategy = FGDiLoCoStrategy(sync_every=args.sync_every, topology=args.topology, outer_lr=args.outer_lr,
-                                    mix2_rounds=args.mix2_rounds, seed=args.seed, timeout=30.0)
+                                    mix2_rounds=args.mix2_rounds, seed=args.seed, timeout=30.0, **pipeline)
     recorder = Recorder()
     monitor = GossipMonitor(growth_patience=args.growth_patience)
     callbacks = [recorder, monitor]
     if args.ckpt_dir:
-        callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, filename="{epoch}", save_top_k=1,
+        callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, filename="{epoch}",
+                                         save_top_k=-1 if args.keep_checkpoints else 1,
                                          every_n_epochs=1, save_last=False))
     trainer = pl.Trainer(
         strategy=strategy,
@@ -165,8 +224,9 @@ def main(argv: list[str] | None = None) -> None:
         enable_progress_bar=False,
         log_every_n_steps=1,
         num_sanity_val_steps=0,
+        **({"limit_val_batches": 0} if args.stages and not args.val else {}),
     )
-    model = Regressor()
+    model = PipelinedRegressor() if args.stages else Regressor()
     trainer.fit(model, ckpt_path=args.resume)
 
     fgd = trainer.strategy.fgdiloco
@@ -185,7 +245,14 @@ def main(argv: list[str] | None = None) -> None:
         "history": monitor.history,
         "progress_bar": {k: float(v) for k, v in trainer.progress_bar_metrics.items()},
         "failed_exchanges_total": fgd.failed_exchanges_total,
+        "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+        "replica": getattr(trainer.strategy, "replica", None),
+        "stage": getattr(trainer.strategy, "stage", None),
+        "pipeline": repr(trainer.strategy.pipeline) if getattr(trainer.strategy, "pipeline", None) else None,
     }
+    if args.validate_ckpt:
+        metrics = trainer.validate(model, ckpt_path=args.validate_ckpt, verbose=False)
+        out["validate"] = {"params": flat_params(model), "metrics": {k: float(v) for k, v in metrics[0].items()}}
     os.makedirs(args.out, exist_ok=True)
     torch.save(out, os.path.join(args.out, f"rank{trainer.global_rank}.pt"))
 
