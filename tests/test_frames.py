@@ -253,7 +253,7 @@ def test_a_stream_longer_than_its_zstd_content_size_is_stopped_by_zstd():
 
 
 @pytest.mark.parametrize(("fields", "match"), [
-    ({"flags": FLAG_ZSTD | FLAG_SHUFFLE | 4}, "unknown flags"),
+    ({"flags": FLAG_ZSTD | FLAG_SHUFFLE | 8}, "unknown flags"),
     ({"flags": FLAG_ZSTD, "shuffle": 4}, "disagree"),
     ({"flags": FLAG_ZSTD | FLAG_SHUFFLE, "shuffle": 0}, "disagree"),
     ({"raw_len": 12}, "zstd frame announces"),
