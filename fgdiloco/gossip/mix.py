@@ -24,13 +24,13 @@ all-gather.
 A failed, rejected, declined or skipped exchange leaves the worker's row of the mixing matrix as the identity for
 that gossip round (it keeps its own value), is counted in :class:`MixResult` and logged.
 
-**Deadlines.** A pair exchange has two bounds. Waiting for the peer to arrive is bounded by ``timeout`` and by
-the peer's liveness (the transport gives up on a peer that left or whose heartbeat stopped), so a live peer
-that is late because it lost time to a dead third one is waited for, and exchanges between live peers do not
-fail in a cascade. Once both are there, the conversation is bounded by the *adaptive deadline*
-(:meth:`Mixer.deadline`): ``max(1 s + 3·median, median + 6·MAD)`` of the last 16 successful conversations of this
-mix, at most ``timeout`` (``timeout`` itself until 5 have been measured), so a peer that dies mid-exchange costs
-its partner about a second on a fast network, not the whole ``timeout``.
+**Deadlines.** Until the peer's first payload arrives, a pair exchange waits at most ``timeout`` and only while
+the peer is live: the transport's heartbeat and departure notices are polled every 0.25 s, so a dead, hung
+(SIGSTOPped) or departed peer costs at most ``LIVENESS_SECONDS`` (2 s), and a live peer that is late because it lost
+time to a dead third one is waited for (exchanges between live peers do not fail in a cascade). After the first
+payload the rest of the conversation is bounded by the *adaptive deadline* (:meth:`Mixer.deadline`):
+``max(1 s + 3·median, median + 6·MAD)`` of the last 16 successful conversations of this mix (measured from the
+first payload to the accept byte), at most ``timeout``, and ``timeout`` itself until 5 have been measured.
 
 **Values out of scale.** Before a peer's message is mixed in, its norm is compared with this worker's own
 message of the same quantity: ``‖q_peer‖ > max_ratio·‖own‖ + 1e-6·√n`` (``max_ratio`` 100 in ``FGDiLoCo``, n elements)
@@ -56,7 +56,7 @@ import torch
 from ..factor.codec import Codec, CodecError, PairOutcome
 from ..factor.frame import FrameError, decode_frame, encode_frame
 from .topology import GROUP, IDLE, PAIR, Topology
-from .transport import Background, ExchangeError, PeerDeclined, Transport
+from .transport import Background, ExchangeError, PeerDeclined, PeerLeft, Transport
 
 __all__ = ["MixResult", "Mixer", "PeerHealth", "pair_round_in_process"]
 
@@ -70,6 +70,7 @@ DEADLINE_SAMPLES = 16  # successful conversations the adaptive deadline is measu
 DEADLINE_MIN_SAMPLES = 5  # before that many, the deadline is ``timeout``
 DEADLINE_MADS = 6.0  # deadline = median + this many MADs ...
 DEADLINE_FLOOR = (1.0, 3.0)  # ... but at least 1 s + 3 x the median
+_POLL = 0.25  # seconds between liveness checks while waiting for a peer's first payload
 
 
 class _Rejected(ExchangeError):
@@ -241,7 +242,7 @@ class Mixer:
             if step.kind == PAIR and not self.health.skip(step.peer, outer_round) \
                     and not self.transport.has_left(step.peer):
                 key = self._key(idx)
-                self.transport.prepare(step.peer, key=key, timeout=self.timeout, deadline=self.deadline())
+                self.transport.prepare(step.peer, key=key, timeout=self.timeout)
                 self._prepared[key] = step.peer
 
     def discard_prepared(self) -> None:
@@ -299,17 +300,17 @@ class Mixer:
                 self.transport.decline(peer, key=key)  # the peer's open() fails at once instead of timing out
             except Exception as err:  # noqa: BLE001 - a store we cannot reach: the peer times out as before
                 log.debug("fgdiloco %s: could not post a skip notice for %s: %s", self.name, key, err)
-            self._fail(res, f"peer {peer} skipped (back-off after failures)")
+            self._fail(res, f"rank {peer} skipped (back-off after failures)")
             return 0.0
         values = res.values
         counts = [0, 0]  # bytes sent, received (kept even when the conversation fails midway)
         deadline = self.deadline()
         res.deadline = deadline if res.deadline is None else max(res.deadline, deadline)
-        met: list[float] = []  # when both peers were there (the conversation's deadline starts then)
+        met: list[float] = []  # when the peer's first payload came (the conversation's deadline starts then)
         what = f"{self.name} exchange {key} with rank {peer}"
         try:
             outcome = self._supervise(Background(lambda: self._converse(peer, key, idx, values, counts, deadline,
-                                                                        met), what), met, deadline, what)
+                                                                        met), what), peer, met, deadline, what)
         except _OutOfScale as e:
             res.out_of_scale += 1
             self._fail(res, str(e))
@@ -318,8 +319,15 @@ class Mixer:
             self._fail(res, str(e))
             return 0.0
         except ExchangeError as e:
-            self.health.failure(peer, outer_round)
-            self._fail(res, str(e))
+            try:  # a peer that left dropped its end of a prepared group: not a failure to back off from
+                left = self.transport.peer_gone(peer, time.monotonic()) == "left"
+            except Exception:  # noqa: BLE001 - a store we cannot reach: treat it as a plain failure
+                left = False
+            if left:
+                self._fail(res, f"{e} (rank {peer} has left: departure notice)")
+            else:
+                self.health.failure(peer, outer_round)
+                self._fail(res, str(e))
             return 0.0
         finally:
             res.bytes_sent += counts[0]
@@ -333,19 +341,25 @@ class Mixer:
         outcome.commit()
         return outcome.floor
 
-    def _supervise(self, job: Background, met: list[float], deadline: float, what: str) -> PairOutcome:
-        """Wait for the conversation in ``job``: at most ``timeout`` for the peer to arrive (the transport also
-        gives up on a peer that left or stopped beating), then at most ``deadline`` from the moment both were
-        there. The thread left behind by a timeout ends when its Gloo group's own timeout (``deadline``) fires."""
+    def _supervise(self, job: Background, peer: int, met: list[float], deadline: float, what: str) -> PairOutcome:
+        """Wait for the conversation in ``job``: until the peer's first payload at most ``timeout``, giving up as
+        soon as the peer left or its heartbeat stopped (polled every ``_POLL`` s); then at most ``deadline``.
+        A thread left behind ends when its Gloo wait times out (the same bounds)."""
         t0 = time.monotonic()
         while True:
             limit = met[0] + deadline if met else t0 + self.timeout
             now = time.monotonic()
             if now >= limit:
                 raise ExchangeError(f"{what} timed out after {now - t0:.1f} s"
-                                    + (f" ({deadline:.1f} s deadline after meeting)" if met else ""))
-            if job.wait(min(limit - now, 0.1)):
+                                    + (f" ({deadline:.1f} s deadline after the first payload)" if met else ""))
+            if job.wait(min(limit - now, _POLL)):
                 break
+            if not met:
+                gone = self.transport.peer_gone(peer, t0)
+                if gone == "left":
+                    raise PeerLeft(f"{what}: the peer has left (departure notice)")
+                if gone is not None:
+                    raise ExchangeError(f"{what} failed: the peer is gone ({gone})")
         try:
             return job.result()
         except ExchangeError:
@@ -369,10 +383,11 @@ class Mixer:
         accept/reject. Returns the outcome only when both sides accepted."""
         rank = self.transport.rank
         channel = self.transport.open(peer, key=key, timeout=self.timeout, deadline=deadline)
-        met.append(time.monotonic())
 
         def send(payload: bytes) -> bytes:
             got = channel.exchange(payload)
+            if not met:
+                met.append(time.monotonic())
             counts[0] += len(payload)
             counts[1] += len(got)
             return got

@@ -170,8 +170,8 @@ class Transport(abc.ABC):
     def open(self, peer: int, *, key: str, timeout: float, deadline: float | None = None) -> Channel:
         """Meet ``peer`` for the exchange ``key`` (both call it with the same key) and return the channel.
 
-        ``timeout`` bounds the wait for a live peer to arrive; ``deadline`` (default ``timeout``) bounds setting up
-        the connection and each operation on it once both are there.
+        ``timeout`` bounds the wait for a live peer to arrive, up to its first payload on the channel;
+        ``deadline`` (default ``timeout``) bounds each later payload.
 
         Raises:
             PeerLeft: the peer posted a departure notice.
@@ -193,8 +193,13 @@ class Transport(abc.ABC):
         """Post a departure notice: every later exchange a peer attempts with this worker fails at once."""
 
     def has_left(self, peer: int) -> bool:
-        """Whether ``peer`` posted a departure notice (default: never known)."""
+        """Whether ``peer`` is known to have posted a departure notice (default: never known)."""
         return False
+
+    def peer_gone(self, peer: int, since: float) -> str | None:
+        """Why ``peer`` will not come (``"left"``, or its heartbeat stopped), or None when it may still come.
+        ``since`` (``time.monotonic()``) is when the caller started waiting for it. Default: never known."""
+        return None
 
     def exchange(self, peer: int, payload: bytes, *, key: str, timeout: float | None = None) -> bytes:
         """One payload each way under ``key``: :meth:`open`, one :meth:`Channel.exchange`, close, within
@@ -214,8 +219,7 @@ class Transport(abc.ABC):
 
         return call_with_deadline(run, timeout, f"exchange {key} with rank {peer}")
 
-    def prepare(self, peer: int, *, key: str, timeout: float,  # noqa: B027 - optional hook
-                deadline: float | None = None) -> None:
+    def prepare(self, peer: int, *, key: str, timeout: float) -> None:  # noqa: B027 - optional hook
         """Optionally start setting up a later :meth:`open` with ``peer`` under ``key`` (default: nothing)."""
 
     @abc.abstractmethod
@@ -334,12 +338,18 @@ class DistributedTransport(Transport):
     def has_left(self, peer: int) -> bool:
         return peer in self._left
 
+    def peer_gone(self, peer: int, since: float) -> str | None:
+        store = self._stores.acquire()
+        try:
+            return self._peer_gone(store, peer, since)
+        finally:
+            self._stores.release(store)
+
     def _prefix(self, peer: int, key: str) -> str:
         a, b = sorted((self.rank, peer))
         return f"{self.namespace}/{key}/{a}-{b}"
 
-    def _build(self, peer: int, key: str, timeout: float, deadline: float,
-               cancel: threading.Event | None = None) -> tuple[Any, int]:
+    def _build(self, peer: int, key: str, timeout: float, cancel: threading.Event | None = None) -> tuple[Any, int]:
         """Post our hello, wait for the peer's (polling its departure notice and heartbeat between short waits),
         agree on the decision, then build the private 2-rank Gloo group (both sides do the same)."""
         store = self._stores.acquire()
@@ -371,12 +381,12 @@ class DistributedTransport(Transport):
                     raise PeerDeclined(f"rank {peer} discarded {key}")
                 break
             me = 0 if self.rank < peer else 1
-            pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), me, 2, datetime.timedelta(seconds=deadline))
+            pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), me, 2, datetime.timedelta(seconds=timeout))
             return pg, 1 - me
         finally:  # the store is only needed for the rendezvous
             self._stores.release(store)
 
-    def prepare(self, peer: int, *, key: str, timeout: float | None = None, deadline: float | None = None) -> None:
+    def prepare(self, peer: int, *, key: str, timeout: float | None = None) -> None:
         """Start meeting ``peer`` for a later ``open(peer, key=key)`` in the background (hello and Gloo pair group).
 
         Setting up a Gloo pair costs a few store round trips and TCP connects; done during the inner steps, Mix2's
@@ -386,9 +396,8 @@ class DistributedTransport(Transport):
         """
         self._check_peer(peer)
         timeout = self.timeout if timeout is None else timeout
-        deadline = timeout if deadline is None else deadline
         cancel = threading.Event()
-        job = Background(lambda: self._build(peer, key, timeout, deadline, cancel), f"prepare {key} with rank {peer}")
+        job = Background(lambda: self._build(peer, key, timeout, cancel), f"prepare {key} with rank {peer}")
         with self._prepared_lock:
             self._prepared[(peer, key)] = (job, cancel)
 
@@ -454,8 +463,8 @@ class DistributedTransport(Transport):
             finally:
                 self._stores.release(store)
         else:
-            pg, other = self._build(peer, key, timeout, deadline)
-        return _GlooChannel(pg, other, peer, key)
+            pg, other = self._build(peer, key, timeout)
+        return _GlooChannel(pg, other, peer, key, deadline)
 
     def decline(self, peer: int, *, key: str) -> None:
         self._check_peer(peer)
@@ -508,19 +517,22 @@ class DistributedTransport(Transport):
 class _GlooChannel(Channel):
     """A channel on a private 2-rank Gloo group: each payload travels as its length, then its bytes."""
 
-    def __init__(self, pg: Any, other: int, peer: int, key: str):
+    def __init__(self, pg: Any, other: int, peer: int, key: str, deadline: float):
         self.pg, self.other, self.peer, self.key = pg, other, peer, key
         self._tag = 0
+        self._deadline = datetime.timedelta(seconds=deadline)
 
     def exchange(self, payload: bytes) -> bytes:
         tag, self._tag = self._tag, self._tag + 2
+        # the first payload waits for the peer to arrive (the group's timeout), later ones for the deadline only
+        wait = {} if tag == 0 else {"timeout": self._deadline}
         n_out = torch.tensor([len(payload)], dtype=torch.int64)
         n_in = torch.zeros(1, dtype=torch.int64)
         try:
             # receive posted before send: send-first ran at about half the link rate on shaped links (WAN benchmark)
             works = [self.pg.recv([n_in], self.other, tag), self.pg.send([n_out], self.other, tag)]
             for w in works:
-                w.wait()
+                w.wait(**wait)
             size = int(n_in.item())
             if not 0 < size <= MAX_PAYLOAD_BYTES:
                 raise ExchangeError(f"rank {self.peer} announced a payload of {size} bytes in {self.key}")
@@ -528,7 +540,7 @@ class _GlooChannel(Channel):
             out = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
             works = [self.pg.recv([buf], self.other, tag + 1), self.pg.send([out], self.other, tag + 1)]
             for w in works:
-                w.wait()
+                w.wait(**wait)
         except ExchangeError:
             raise
         except Exception as err:  # noqa: BLE001 - Gloo raises RuntimeError for a dead or late peer

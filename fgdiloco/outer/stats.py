@@ -38,9 +38,9 @@ class RoundStats:
         failed_exchanges: exchanges of either mix that failed, timed out, were rejected, declined or skipped.
         out_of_scale: exchanges (of either mix) rejected because the peer's values were out of scale against this
             worker's own (``‖q_peer‖ > 100·‖own‖``, :mod:`fgdiloco.gossip.mix`); also in ``failed_exchanges``.
-        deadline_seconds: the adaptive deadline of Mix2's pair conversations in this round (seconds once both
-            peers are there: ``max(1 + 3·median, median + 6·MAD)`` of recent exchanges, at most ``timeout``), or
-            None when Mix2 had no pair exchange. ``mix1_deadline_seconds``: the same for Mix1.
+        deadline_seconds: the adaptive deadline of Mix2's pair conversations in this round (seconds allowed after
+            the peer's first payload: ``max(1 + 3·median, median + 6·MAD)`` of recent exchanges, at most
+            ``timeout``), or None when Mix2 had no pair exchange. ``mix1_deadline_seconds``: the same for Mix1.
         resynced: the exact topology's Mix1 found replicas that differed and averaged them.
         mix1_peers, mix2_peers: the peer of each gossip round (None: no peer, -1: all-reduce).
         errors: one line per failure.
