@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 import time
 import warnings
 
@@ -331,6 +332,31 @@ def test_a_worker_that_closes_early_costs_its_peers_no_timeout(tmp_path):
             assert all("rank 3" in e and ("left" in e or "declined" in e or "discarded" in e) for e in errs), errs
     # the departed worker was met (and failed fast) at least once after it left
     assert any(r["errors"][k] for r in res[:3] for k in range(leave_after, rounds))
+
+
+def _terminated(rank: int, world: int, rounds: int, at: int) -> dict:
+    opt = _opt(topology="random", seed=5, timeout=30.0, outer_momentum=0.5)
+    blocked, errors = [], []
+    for r in range(rounds):
+        if rank == 2 and r == at:
+            os.kill(os.getpid(), signal.SIGTERM)  # the departure notice is posted, then the default action: death
+        _train(opt, rank, r * H, (r + 1) * H)
+        blocked.append(opt.last_round.round_seconds - opt.last_round.inner_seconds)
+        errors.append(opt.last_round.errors)
+    opt.close()
+    return {"rounds": opt.round, "blocked": blocked, "errors": errors}
+
+
+def test_a_worker_stopped_by_sigterm_announces_its_departure(tmp_path):
+    rounds, at = 7, 2
+    res = run_ranks(_terminated, 3, tmp_path, rounds, at, timeout=120, allow_missing=(2,), store="tcp")
+    assert res[2] is None
+    for r in res[:2]:
+        assert r["rounds"] == rounds
+        assert max(r["blocked"][at:]) < 1.0, r["blocked"]  # no liveness wait, no timeout: the notice is read
+        flat = [e for errs in r["errors"][at + 1:] for e in errs]
+        assert all("rank 2" in e and "left" in e for e in flat), flat
+    assert any(r["errors"][k] for r in res[:2] for k in range(at + 1, rounds))
 
 
 DIE_ROUND = 14  # late enough for the deadline to be measured (5 Mix2 exchanges) on both survivors

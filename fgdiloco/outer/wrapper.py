@@ -6,6 +6,9 @@ import atexit
 import contextlib
 import logging
 import math
+import os
+import signal
+import threading
 import time
 import warnings
 import weakref
@@ -20,7 +23,7 @@ from ..factor.codec import Codec, resolve_codec
 from ..factor.frame import job_secret, layout_fingerprint
 from ..gossip.mix import MAX_RATIO, Mixer, MixResult, PeerHealth
 from ..gossip.topology import Topology, make_topology
-from ..gossip.transport import Background, DistributedTransport, Transport
+from ..gossip.transport import Background, DistributedTransport, Transport, call_with_deadline
 from ..mesh import ReplicaMesh
 from .stats import RoundStats
 
@@ -45,6 +48,36 @@ _LIVE: weakref.WeakSet[FGDiLoCo] = weakref.WeakSet()
 def _drain_at_exit() -> None:
     for opt in list(_LIVE):
         opt.close()
+
+
+_SIGTERM_PREVIOUS: list[Any] = []  # the handler ours replaced (installed once per process)
+
+
+def _leave_on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM (torchrun's agent, a scheduler, ``kill``): post every live wrapper's departure notice (at most 1 s
+    each), so peers stop waiting for this worker at once, then do what the previous handler did."""
+    for opt in list(_LIVE):
+        if opt.transport is not None:
+            with contextlib.suppress(Exception):
+                call_with_deadline(opt.transport.leave, 1.0, "departure notice")
+    previous = _SIGTERM_PREVIOUS[0]
+    if callable(previous):
+        previous(signum, frame)
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _install_sigterm_handler() -> None:
+    """Chain :func:`_leave_on_sigterm` before the current SIGTERM handler, once, from the main thread only (signal
+    handlers cannot be set elsewhere); an ignored SIGTERM stays ignored."""
+    if _SIGTERM_PREVIOUS or threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous in (signal.SIG_IGN, None):
+        return
+    _SIGTERM_PREVIOUS.append(previous)
+    signal.signal(signal.SIGTERM, _leave_on_sigterm)
 
 
 def _is_int(x: Any) -> bool:
@@ -271,6 +304,8 @@ class FGDiLoCo:
         self._hooks = [inner_optimizer.register_step_pre_hook(self._pre_step),
                        inner_optimizer.register_step_post_hook(self._post_step)]
         _LIVE.add(self)
+        if self.world_size > 1:
+            _install_sigterm_handler()
 
     @staticmethod
     def check_arguments(*, sync_every: int, outer_lr: float, outer_momentum: float, nesterov: bool,
