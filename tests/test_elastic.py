@@ -165,6 +165,69 @@ def test_loading_into_a_stepped_wrapper_leaves_later_exchanges_failure_free(tmp_
     assert res[0]["first"] != res[1]["first"]  # gossip: replicas differ, so the check above is not vacuous
 
 
+def _discard(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from fgdiloco.gossip import DistributedTransport, ExchangeError, PeerDeclined
+
+    t = DistributedTransport(timeout=20.0)
+    store = dist.distributed_c10d._get_default_store()
+    out = {}
+    # (a) rank 0 prepared an exchange and gives it up before rank 1 arrives: rank 1 is declined at once
+    if rank == 0:
+        t.prepare(1, key="a", timeout=20.0)
+        t.discard(1, key="a")
+        store.set("a-discarded", b"1")
+    else:
+        store.wait(["a-discarded"])
+        t0 = time.perf_counter()
+        with pytest.raises(PeerDeclined, match="rank 0"):
+            t.open(0, key="a", timeout=20.0)
+        out["declined"] = time.perf_counter() - t0
+    # (b) both prepared and met; rank 0 gives it up: rank 1's exchange on the dropped group fails at once
+    t.prepare(1 - rank, key="b", timeout=20.0)
+    t._prepared[(1 - rank, "b")][0].result()
+    if rank == 0:
+        t.discard(1, key="b")
+        store.set("b-discarded", b"1")
+    else:
+        store.wait(["b-discarded"])
+        t0 = time.perf_counter()
+        with pytest.raises(ExchangeError):
+            t.open(0, key="b", timeout=20.0).exchange(b"x")
+        out["dropped"] = time.perf_counter() - t0
+    store.set(f"done/{rank}", b"1")
+    store.wait([f"done/{1 - rank}"])
+    t.close()
+    return out
+
+
+def test_a_discarded_prepared_exchange_fails_at_once_on_the_peer(tmp_path):
+    res = run_ranks(_discard, 2, tmp_path)
+    assert res[1]["declined"] < 1.0 and res[1]["dropped"] < 1.0, res[1]
+
+
+def _gives_up(rank: int, world: int) -> dict:
+    from fgdiloco.gossip import DistributedTransport, PeerDeclined
+
+    t = DistributedTransport(timeout=30.0)
+    out = {}
+    if rank == 0:
+        t0 = time.perf_counter()
+        with pytest.raises(PeerDeclined, match="rank 1 gave up k"):
+            t.open(1, key="k", timeout=30.0)
+        out["seconds"] = time.perf_counter() - t0
+    else:
+        t.abandon(0, key="k")  # e.g. its own deadline passed while it was stuck
+    t.close()
+    return out
+
+
+def test_a_side_that_gives_up_an_exchange_ends_its_peers_wait_at_once(tmp_path):
+    res = run_ranks(_gives_up, 2, tmp_path)
+    assert res[0]["seconds"] < 2.0  # not the 30 s timeout
+
+
 # ------------------------------------------------------------------ resume order
 def _resume(rank: int, world: int, phase: str, ckpt: str) -> list[list[float]]:
     k_steps, total = 2 * H + 1, 5 * H  # the checkpoint is taken mid-round

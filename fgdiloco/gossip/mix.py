@@ -26,7 +26,8 @@ that gossip round (it keeps its own value), is counted in :class:`MixResult` and
 
 **Deadlines.** Until the peer's first payload arrives, a pair exchange waits at most ``timeout`` and only while
 the peer is live: the transport's heartbeat and departure notices are polled every 0.25 s, so a dead, hung
-(SIGSTOPped) or departed peer costs at most ``LIVENESS_SECONDS`` (2 s), and a live peer that is late because it lost
+(SIGSTOPped) or departed peer costs at most ``LIVENESS_SECONDS`` (5 s; 2 s once another worker saw its connection
+reset), a side that gave up the exchange ends its peer's wait at once, and a live peer that is late because it lost
 time to a dead third one is waited for (exchanges between live peers do not fail in a cascade). After the first
 payload the rest of the conversation is bounded by the *adaptive deadline* (:meth:`Mixer.deadline`):
 ``max(1 s + 3·median, median + 6·MAD)`` of the last 16 successful conversations of this mix (measured from the
@@ -310,7 +311,7 @@ class Mixer:
         what = f"{self.name} exchange {key} with rank {peer}"
         try:
             outcome = self._supervise(Background(lambda: self._converse(peer, key, idx, values, counts, deadline,
-                                                                        met), what), peer, met, deadline, what)
+                                                                        met), what), peer, key, met, deadline, what)
         except _OutOfScale as e:
             res.out_of_scale += 1
             self._fail(res, str(e))
@@ -328,6 +329,11 @@ class Mixer:
             else:
                 self.health.failure(peer, outer_round)
                 self._fail(res, str(e))
+                reset = "reset by peer" in str(e) or "closed by peer" in str(e)
+                try:  # tell the peer, which may still be waiting for us, that this exchange is over
+                    self.transport.abandon(peer, key=key, suspect=reset)
+                except Exception as err:  # noqa: BLE001 - a store we cannot reach: the peer times out as before
+                    log.debug("fgdiloco %s: could not abandon %s: %s", self.name, key, err)
             return 0.0
         finally:
             res.bytes_sent += counts[0]
@@ -341,7 +347,8 @@ class Mixer:
         outcome.commit()
         return outcome.floor
 
-    def _supervise(self, job: Background, peer: int, met: list[float], deadline: float, what: str) -> PairOutcome:
+    def _supervise(self, job: Background, peer: int, key: str, met: list[float], deadline: float,
+                   what: str) -> PairOutcome:
         """Wait for the conversation in ``job``: until the peer's first payload at most ``timeout``, giving up as
         soon as the peer left or its heartbeat stopped (polled every ``_POLL`` s); then at most ``deadline``.
         A thread left behind ends when its Gloo wait times out (the same bounds)."""
@@ -355,9 +362,11 @@ class Mixer:
             if job.wait(min(limit - now, _POLL)):
                 break
             if not met:
-                gone = self.transport.peer_gone(peer, t0)
+                gone = self.transport.peer_gone(peer, t0, key)
                 if gone == "left":
                     raise PeerLeft(f"{what}: the peer has left (departure notice)")
+                if gone == "abandoned":
+                    raise PeerDeclined(f"{what}: rank {peer} gave up the exchange")
                 if gone is not None:
                     raise ExchangeError(f"{what} failed: the peer is gone ({gone})")
         try:

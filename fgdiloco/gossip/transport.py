@@ -23,8 +23,10 @@ pair group can never disagree about whether the group is built.
 
 Who is there. Every worker bumps a heartbeat counter in the store every :data:`HEARTBEAT_SECONDS`; a worker waiting
 for a peer's hello gives up as soon as the peer's counter has not moved for :data:`LIVENESS_SECONDS` (a dead or
-SIGSTOPped peer costs that, not the timeout), and a live peer that is merely late is waited for up to the
-timeout (so a peer that lost time to a dead third one never makes a live exchange fail). A worker that leaves
+SIGSTOPped peer costs that, not the timeout; :data:`SUSPECT_LIVENESS_SECONDS` when another worker already saw its
+connections reset, the mark of a dead process), and a live peer that is merely late is waited for up to the
+timeout (so a peer that lost time to a dead third one never makes a live exchange fail). A side that gives up an
+exchange it had started (:meth:`Transport.abandon`) says so, and its peer stops waiting at once. A worker that leaves
 (:meth:`Transport.leave`, called by ``FGDiLoCo.close``) posts a departure notice that its peers' waits check at
 every poll: an exchange with a departed worker fails at once with :class:`PeerLeft`.
 
@@ -55,7 +57,8 @@ __all__ = ["Background", "Channel", "ExchangeError", "PeerDeclined", "PeerLeft",
 T = TypeVar("T")
 MAX_PAYLOAD_BYTES = 1 << 34  # a peer announcing more than 16 GiB is rejected before allocating
 HEARTBEAT_SECONDS = 0.25  # how often a worker bumps its heartbeat counter in the store
-LIVENESS_SECONDS = 2.0  # a peer whose heartbeat has not moved for this long is taken for dead (or hung)
+LIVENESS_SECONDS = 5.0  # a peer whose heartbeat has not moved for this long is taken for dead (or hung)
+SUSPECT_LIVENESS_SECONDS = 2.0  # ... or this long when another worker saw its connection reset (a dead process)
 _POLL_SECONDS = 0.1  # longest single store wait while waiting for a peer's hello (then departure/liveness checks)
 
 
@@ -196,10 +199,15 @@ class Transport(abc.ABC):
         """Whether ``peer`` is known to have posted a departure notice (default: never known)."""
         return False
 
-    def peer_gone(self, peer: int, since: float) -> str | None:
-        """Why ``peer`` will not come (``"left"``, or its heartbeat stopped), or None when it may still come.
-        ``since`` (``time.monotonic()``) is when the caller started waiting for it. Default: never known."""
+    def peer_gone(self, peer: int, since: float, key: str | None = None) -> str | None:
+        """Why ``peer`` will not come (``"left"``, ``"abandoned"`` the exchange ``key``, or its heartbeat
+        stopped), or None when it may still come. ``since`` (``time.monotonic()``) is when the caller started
+        waiting for it. Default: never known."""
         return None
+
+    def abandon(self, peer: int, *, key: str, suspect: bool = False) -> None:  # noqa: B027 - optional hook
+        """Say that this side gave up the exchange ``key`` with ``peer`` (its wait for us ends at once);
+        ``suspect``: the connection was reset, ``peer`` is probably dead. Default: nothing."""
 
     def exchange(self, peer: int, payload: bytes, *, key: str, timeout: float | None = None) -> bytes:
         """One payload each way under ``key``: :meth:`open`, one :meth:`Channel.exchange`, close, within
@@ -311,19 +319,21 @@ class DistributedTransport(Transport):
 
     def _beat(self, store: dist.Store) -> None:
         while not self._stop.wait(HEARTBEAT_SECONDS):
-            try:
+            with contextlib.suppress(Exception):  # a store that is slow or gone: try again at the next beat
                 store.add(self._alive_key(self.rank), 1)
-            except Exception:  # noqa: BLE001 - the store is gone: peers will take us for dead, which we are soon
-                return
 
-    def _peer_gone(self, store: dist.Store, peer: int, since: float) -> str | None:
-        """Why ``peer`` will not come (it left, or its heartbeat stood still for ``LIVENESS_SECONDS``), or None.
-        ``since`` is when we started waiting: a peer never seen before gets ``LIVENESS_SECONDS`` from then."""
+    def _peer_gone(self, store: dist.Store, peer: int, since: float, key: str | None = None) -> str | None:
+        """Why ``peer`` will not come (it left, abandoned ``key``, or its heartbeat stood still for
+        ``LIVENESS_SECONDS``), or None. ``since`` is when we started waiting: a peer never seen before gets
+        ``LIVENESS_SECONDS`` from then."""
         if peer in self._left:
             return "left"
         if store.add(self._left_key(peer), 0) > 0:
             self._left.add(peer)
             return "left"
+        if key is not None and store.add(f"{self._prefix(peer, key)}/abandoned/{peer}", 0) > 0:
+            return "abandoned"
+        limit = SUSPECT_LIVENESS_SECONDS if store.add(self._suspect_key(peer), 0) > 0 else LIVENESS_SECONDS
         beat = store.add(self._alive_key(peer), 0)
         now = time.monotonic()
         with self._seen_lock:
@@ -331,17 +341,32 @@ class DistributedTransport(Transport):
             if value != beat:
                 self._seen[peer] = (beat, now)
                 return None
-        if now - seen > LIVENESS_SECONDS:
+        if now - seen > limit:
             return f"no heartbeat for {now - seen:.1f} s"
         return None
+
+    def _suspect_key(self, rank: int) -> str:
+        return f"{self.namespace}/suspect/{rank}"
+
+    def abandon(self, peer: int, *, key: str, suspect: bool = False) -> None:
+        self._check_peer(peer)
+        store = self._stores.acquire()
+        try:
+            prefix = self._prefix(peer, key)
+            store.compare_set(f"{prefix}/decision", "", _HELLO_SKIP)
+            store.add(f"{prefix}/abandoned/{self.rank}", 1)
+            if suspect:
+                store.add(self._suspect_key(peer), 1)
+        finally:
+            self._stores.release(store)
 
     def has_left(self, peer: int) -> bool:
         return peer in self._left
 
-    def peer_gone(self, peer: int, since: float) -> str | None:
+    def peer_gone(self, peer: int, since: float, key: str | None = None) -> str | None:
         store = self._stores.acquire()
         try:
-            return self._peer_gone(store, peer, since)
+            return self._peer_gone(store, peer, since, key)
         finally:
             self._stores.release(store)
 
@@ -363,9 +388,11 @@ class DistributedTransport(Transport):
                     if store.compare_set(f"{prefix}/decision", "", _HELLO_SKIP) != _HELLO_GO:
                         raise _Discarded(f"{key} with rank {peer} discarded")
                     break  # the peer committed first: build the group (it is there), the caller drops it
-                gone = self._peer_gone(store, peer, t0)
+                gone = self._peer_gone(store, peer, t0, key)
                 if gone == "left":
                     raise PeerLeft(f"rank {peer} has left (departure notice) before {key}")
+                if gone == "abandoned":
+                    raise PeerDeclined(f"rank {peer} gave up {key}")
                 if gone is not None:
                     raise ExchangeError(f"rank {peer} did not arrive for {key}: {gone}")
                 left = timeout - (time.monotonic() - t0)
