@@ -366,7 +366,7 @@ class Mixer:
                 if gone == "left":
                     raise PeerLeft(f"{what}: the peer has left (departure notice)")
                 if gone == "abandoned":
-                    raise PeerDeclined(f"{what}: rank {peer} gave up the exchange")
+                    raise PeerDeclined(f"{what} declined: rank {peer} gave up the exchange")
                 if gone is not None:
                     raise ExchangeError(f"{what} failed: the peer is gone ({gone})")
         try:

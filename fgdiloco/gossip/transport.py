@@ -383,6 +383,7 @@ class DistributedTransport(Transport):
             store.set(f"{prefix}/hello/{self.rank}", _HELLO_GO)
             theirs = f"{prefix}/hello/{peer}"
             t0 = time.monotonic()
+            poll = 0.005  # grows to _POLL_SECONDS: a peer that is already there is met within milliseconds
             while True:
                 if cancel is not None and cancel.is_set():
                     if store.compare_set(f"{prefix}/decision", "", _HELLO_SKIP) != _HELLO_GO:
@@ -392,15 +393,17 @@ class DistributedTransport(Transport):
                 if gone == "left":
                     raise PeerLeft(f"rank {peer} has left (departure notice) before {key}")
                 if gone == "abandoned":
-                    raise PeerDeclined(f"rank {peer} gave up {key}")
+                    raise PeerDeclined(f"rank {peer} declined {key}: it gave up the exchange")
                 if gone is not None:
                     raise ExchangeError(f"rank {peer} did not arrive for {key}: {gone}")
                 left = timeout - (time.monotonic() - t0)
                 if left <= 0:
                     raise ExchangeError(f"rank {peer} did not arrive for {key} within {timeout:.1f} s")
-                try:
-                    store.wait([theirs], datetime.timedelta(seconds=min(_POLL_SECONDS, left)))
-                except Exception:  # noqa: BLE001 - a short wait ran out: check departure and liveness again
+                # check() and a local wait, not store.wait with a short timeout: a timed-out TCPStore wait logs a
+                # c10d warning every time
+                if not store.check([theirs]):
+                    time.sleep(min(poll, left))
+                    poll = min(2 * poll, _POLL_SECONDS)
                     continue
                 if store.get(theirs) == _HELLO_SKIP:
                     raise PeerDeclined(f"rank {peer} declined {key}")
