@@ -61,7 +61,7 @@ def _rank_main(rank: int, world: int, elements: int, repeats: int) -> dict:
         dense.prepare(r)
         low.prepare(r)
         for key in (f"mix2/{r}", f"mixl/{r}"):  # the set-up finishes in the background during the inner steps
-            t._prepared[(peer, key)].result()
+            t._prepared[(peer, key)][0].result()
         t0 = time.perf_counter()
         dense.run(x, r)
         out["Mixer pair round (dense)"].append(time.perf_counter() - t0)

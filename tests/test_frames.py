@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import fgdiloco.gossip.mix
 from fgdiloco import BF16, Dense, FGDiLoCo, Int8, LowRank
 from fgdiloco.factor import HEADER_SIZE, FrameError, decode_frame, encode_frame, layout_fingerprint
-from fgdiloco.factor.frame import _CRC, _HEADER, FLAG_SHUFFLE, FLAG_ZSTD
+from fgdiloco.factor.frame import _CRC, _HEADER, FLAG_SHUFFLE, FLAG_ZSTD, TAG_SIZE
 from tests.distributed import run_ranks
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -253,7 +253,7 @@ def test_a_stream_longer_than_its_zstd_content_size_is_stopped_by_zstd():
 
 
 @pytest.mark.parametrize(("fields", "match"), [
-    ({"flags": FLAG_ZSTD | FLAG_SHUFFLE | 4}, "unknown flags"),
+    ({"flags": FLAG_ZSTD | FLAG_SHUFFLE | 8}, "unknown flags"),
     ({"flags": FLAG_ZSTD, "shuffle": 4}, "disagree"),
     ({"flags": FLAG_ZSTD | FLAG_SHUFFLE, "shuffle": 0}, "disagree"),
     ({"raw_len": 12}, "zstd frame announces"),
@@ -295,6 +295,54 @@ def test_forged_payloads_raise_only_frame_error(name, compress, data):
     if got is not None:
         assert [t.shape for t in got] == [t.shape for t in LIKE]
         assert all(bool(torch.isfinite(t).all()) for t in got)
+
+
+# ---------------------------------------------------------------- authenticated frames (job secret)
+SECRET = b"the job's secret"
+
+
+def _signed(name: str, secret: bytes = SECRET, **kw) -> bytes:
+    codec = CODECS[name]()
+    body, _ = codec.encode(LIKE, stateful=False)
+    return encode_frame(codec, body, sender=3, round=7, fingerprint=FP, shuffle=codec.shuffle, secret=secret, **kw)
+
+
+@pytest.mark.parametrize("name", list(CODECS))
+def test_an_authenticated_frame_decodes_with_the_secret_and_costs_32_bytes(name):
+    frame = _signed(name)
+    assert len(frame) == len(FRAMES[name]) + TAG_SIZE
+    got = _decode(name, frame, secret=SECRET)
+    assert all(torch.equal(a, b) for a, b in zip(got, _reference(name)))
+
+
+@pytest.mark.parametrize(("make", "secret", "match"), [
+    (lambda: _signed("dense", b"another secret"), SECRET, "authentication tag does not match"),
+    (lambda: FRAMES["dense"], SECRET, "carries no authentication tag"),
+    (lambda: _signed("dense"), None, "authenticated but this worker has no job secret"),
+    # a forger without the secret rewrites the round (valid CRC) and keeps the old tag: the tag covers the header
+    (lambda: _forge(_signed("dense")[:-TAG_SIZE], round=8) + _signed("dense")[-TAG_SIZE:], SECRET,
+     "tag does not match"),
+    (lambda: _signed("dense")[:-1] + bytes([_signed("dense")[-1] ^ 1]), SECRET, "tag does not match"),
+    (lambda: _signed("dense")[:-TAG_SIZE], SECRET, "does not match its header"),
+])
+def test_frames_without_a_valid_tag_are_rejected(make, secret, match):
+    with pytest.raises(FrameError, match=match):
+        _decode("dense", make(), secret=secret)
+
+
+def test_a_replayed_authenticated_frame_is_rejected_in_another_round():
+    with pytest.raises(FrameError, match="belongs to round 7, expected 8"):
+        decode_frame(_signed("dense"), Dense(), LIKE, fingerprint=FP, sender=3, round=8, secret=SECRET)
+
+
+@FUZZ
+@given(data=st.data())
+def test_bit_flips_in_an_authenticated_frame_raise_only_frame_error(data):
+    frame = bytearray(_signed("int8"))
+    for pos in data.draw(st.lists(st.integers(0, len(frame) - 1), min_size=1, max_size=3, unique=True)):
+        frame[pos] ^= 1 << data.draw(st.integers(0, 7))
+    with pytest.raises(FrameError):
+        _decode("int8", bytes(frame), secret=SECRET)
 
 
 # ---------------------------------------------------------------- 4 Gloo ranks, one of them corrupts its frames

@@ -126,10 +126,10 @@ def _exact_run(rank: int, world: int, broadcast_init: bool) -> dict:
     if rank == 2:  # one receiver rejects rank 1's frame in round REJECT_AT
         real, state = mixmod.decode_frame, {"round": -1}
 
-        def picky(data, codec, like, *, fingerprint, sender=None, round=None):
+        def picky(data, codec, like, *, fingerprint, sender=None, round=None, **kwargs):
             if state["round"] == REJECT_AT and sender == 1:
                 raise FrameError("injected rejection")
-            return real(data, codec, like, fingerprint=fingerprint, sender=sender, round=round)
+            return real(data, codec, like, fingerprint=fingerprint, sender=sender, round=round, **kwargs)
 
         mixmod.decode_frame = picky
     model = make_model(seed=0 if broadcast_init else rank)

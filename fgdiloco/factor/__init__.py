@@ -2,7 +2,7 @@
 between pipeline stages (subspace codec: DESIGN §4)."""
 
 from .codec import BF16, Codec, CodecError, Dense, codec_from_id, register_codec, resolve_codec
-from .frame import HEADER_SIZE, FrameError, decode_frame, encode_frame, layout_fingerprint
+from .frame import HEADER_SIZE, FrameError, decode_frame, encode_frame, job_secret, layout_fingerprint
 from .lowrank import LowRank
 from .quantize import Int8, dequantize_int8, quantize_int8
 from .subspace import (
@@ -36,6 +36,7 @@ __all__ = [
     "dequantize_int8",
     "encode_frame",
     "fixed_embedding",
+    "job_secret",
     "layout_fingerprint",
     "orthonormal_basis",
     "quantize_int8",

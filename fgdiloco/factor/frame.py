@@ -6,7 +6,8 @@ Layout (little endian)::
     0      4    magic  b"FGDL"
     4      1    version (currently 1)
     5      1    codec id (see :func:`fgdiloco.factor.codec.register_codec`)
-    6      1    flags: bit 0 = body zstd-compressed, bit 1 = body byte-plane shuffled before compression
+    6      1    flags: bit 0 = body zstd-compressed, bit 1 = body byte-plane shuffled before compression,
+                bit 2 = authenticated (a 32-byte tag follows the payload)
     7      1    shuffle element size in bytes (0 when not shuffled)
     8      4    sender rank
     12     8    round (the gossip schedule index the payload belongs to)
@@ -15,6 +16,14 @@ Layout (little endian)::
     36     8    payload length in bytes (as sent)
     44     4    CRC-32 of bytes 0..43 and of the payload
     48     ...  payload
+    48+n   32   (authenticated frames only) HMAC-SHA256 under the job secret of bytes 0..47 and of the payload
+
+**Who may take part.** When the job has a secret (:func:`job_secret`: the environment variable
+``FGDILOCO_SECRET``, or a file named by ``FGDILOCO_SECRET_FILE``), every frame carries an HMAC-SHA256 tag
+(standard library ``hmac``) over its header and payload, and :func:`decode_frame` rejects, with :class:`FrameError`
+like a corrupt frame, a frame without a tag, with a wrong one (the sender does not hold the secret), and an
+authenticated frame when this worker has no secret. The tag covers sender, gossip round and layout fingerprint,
+so a recorded frame cannot be replayed into another exchange.
 
 A frame that is truncated, altered, foreign (magic, version, codec, layout) or that decodes to NaN/Inf raises
 :class:`FrameError`; a frame never decodes to wrong tensors silently. The CRC catches accidents; forged frames
@@ -26,6 +35,8 @@ length (so a zstd bomb costs at most the expected body size).
 from __future__ import annotations
 
 import hashlib
+import hmac
+import os
 import struct
 import threading
 import zlib
@@ -37,7 +48,8 @@ import zstandard
 
 from .codec import Codec, CodecError, _all_finite
 
-__all__ = ["FrameError", "encode_frame", "decode_frame", "layout_fingerprint", "HEADER_SIZE"]
+__all__ = ["FrameError", "encode_frame", "decode_frame", "layout_fingerprint", "job_secret", "HEADER_SIZE",
+           "TAG_SIZE"]
 
 MAGIC = b"FGDL"
 VERSION = 1
@@ -46,6 +58,9 @@ _CRC = struct.Struct("<I")
 HEADER_SIZE = _HEADER.size + _CRC.size  # 48 bytes
 FLAG_ZSTD = 1
 FLAG_SHUFFLE = 2
+FLAG_MAC = 4
+TAG_SIZE = 32  # HMAC-SHA256
+SECRET_ENV, SECRET_FILE_ENV = "FGDILOCO_SECRET", "FGDILOCO_SECRET_FILE"
 ZSTD_LEVEL = 1  # PLATFORM.md: level 3 gains nothing on tensor bytes and is slower
 # Largest raw body we will ever allocate for: guards against a forged length field.
 MAX_BODY_BYTES = 1 << 36
@@ -64,6 +79,41 @@ def _zstd() -> threading.local:
 
 class FrameError(ValueError):
     """A received frame was rejected; the message says what is wrong with it."""
+
+
+def job_secret(environ: dict[str, str] | None = None) -> bytes | None:
+    """The job secret that authenticates frames, or None when none is configured.
+
+    Read from ``FGDILOCO_SECRET`` (its UTF-8 bytes) or, when that is unset, from the file named by
+    ``FGDILOCO_SECRET_FILE`` (its bytes, one trailing newline stripped). Every worker of a job must see the same.
+
+    Raises:
+        ValueError: both variables are set, the secret is empty, or the file cannot be read.
+    """
+    env = os.environ if environ is None else environ
+    value, path = env.get(SECRET_ENV), env.get(SECRET_FILE_ENV)
+    if value is not None and path is not None:
+        raise ValueError(f"set either {SECRET_ENV} or {SECRET_FILE_ENV}, not both")
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                secret = f.read()
+        except OSError as e:
+            raise ValueError(f"{SECRET_FILE_ENV}={path!r} cannot be read: {e}") from e
+        secret = secret[:-1] if secret.endswith(b"\n") else secret
+    elif value is not None:
+        secret = value.encode()
+    else:
+        return None
+    if not secret:
+        raise ValueError(f"the job secret ({SECRET_ENV} or {SECRET_FILE_ENV}) must not be empty")
+    return secret
+
+
+def _tag(secret: bytes, head: bytes, payload: bytes) -> bytes:
+    mac = hmac.new(secret, head, hashlib.sha256)
+    mac.update(payload)
+    return mac.digest()
 
 
 def layout_fingerprint(layout: Iterable[tuple[str, Sequence[int], torch.dtype | str]]) -> bytes:
@@ -99,6 +149,7 @@ def encode_frame(
     fingerprint: bytes,
     compress: bool = True,
     shuffle: int = 0,
+    secret: bytes | None = None,
 ) -> bytes:
     """Wrap a codec body into a checked wire frame.
 
@@ -111,9 +162,10 @@ def encode_frame(
         compress: compress the body with zstandard level 1.
         shuffle: element size in bytes for a byte-plane shuffle before compression (0 = none); it lifts the
             zstd ratio of float data (PLATFORM.md: bf16 1.29x -> 1.46x).
+        secret: the job secret (:func:`job_secret`): append an HMAC-SHA256 tag over header and payload.
 
     Returns:
-        The frame: a 48-byte header followed by the payload.
+        The frame: a 48-byte header followed by the payload (and the 32-byte tag with a secret).
     """
     if len(fingerprint) != 8:
         raise ValueError(f"fingerprint must be 8 bytes, got {len(fingerprint)}")
@@ -121,7 +173,7 @@ def encode_frame(
         raise ValueError(f"shuffle must be an element size in [0, 255] bytes, got {shuffle}")
     if not 0 <= sender < 1 << 32 or not 0 <= round < 1 << 64:
         raise ValueError(f"sender must be in [0, 2**32) and round in [0, 2**64), got {sender} and {round}")
-    flags = 0
+    flags = FLAG_MAC if secret is not None else 0
     payload = body
     if shuffle:
         payload = _shuffle(payload, shuffle)
@@ -132,7 +184,10 @@ def encode_frame(
     head = _HEADER.pack(MAGIC, VERSION, codec.codec_id, flags, shuffle, sender, round, fingerprint,
                         len(body), len(payload))
     crc = zlib.crc32(payload, zlib.crc32(head))
-    return head + _CRC.pack(crc) + payload
+    head += _CRC.pack(crc)
+    if secret is None:
+        return head + payload
+    return head + payload + _tag(secret, head, payload)
 
 
 def decode_frame(
@@ -143,6 +198,7 @@ def decode_frame(
     fingerprint: bytes,
     sender: int | None = None,
     round: int | None = None,
+    secret: bytes | None = None,
 ) -> list[torch.Tensor]:
     """Check and decode a frame made by :func:`encode_frame`.
 
@@ -152,6 +208,8 @@ def decode_frame(
         like: tensors giving the expected shapes, dtypes and device of the result.
         fingerprint: this worker's layout fingerprint; the frame's must match.
         sender, round: when given, the frame's sender rank and round must match them.
+        secret: the job secret: the frame must carry a valid HMAC-SHA256 tag under it. Without a secret an
+            authenticated frame is rejected too (the two workers are configured differently).
 
     Returns:
         The decoded tensors, all finite.
@@ -160,8 +218,8 @@ def decode_frame(
         FrameError: truncated or corrupted frame (length or CRC), wrong magic or version, another codec, another
             layout, unexpected sender or round, unknown flags, a body longer than ``codec.max_body_bytes(like)``
             (checked before decompressing), a zstd stream that is not exactly one frame of the announced size,
-            an undecodable body, tensors of the wrong number or shapes, or NaN/Inf in the decoded tensors.
-            Nothing else is raised for any input bytes.
+            an undecodable body, tensors of the wrong number or shapes, NaN/Inf in the decoded tensors, or a
+            missing, wrong or unexpected authentication tag. Nothing else is raised for any input bytes.
     """
     try:
         data = memoryview(data).cast("B")
@@ -175,12 +233,22 @@ def decode_frame(
         raise FrameError(f"not an fgdiloco frame: magic {magic!r}, expected {MAGIC!r}")
     if version != VERSION:
         raise FrameError(f"frame version {version} is not supported (this build speaks version {VERSION})")
-    if len(data) != HEADER_SIZE + payload_len:
-        raise FrameError(f"frame length {len(data)} does not match its header ({HEADER_SIZE} + {payload_len})")
+    tag_len = TAG_SIZE if flags & FLAG_MAC else 0
+    if len(data) != HEADER_SIZE + payload_len + tag_len:
+        raise FrameError(f"frame length {len(data)} does not match its header ({HEADER_SIZE} + {payload_len}"
+                         + (f" + {TAG_SIZE}-byte tag)" if tag_len else ")"))
     (crc,) = _CRC.unpack(bytes(data[_HEADER.size : HEADER_SIZE]))
-    payload = bytes(data[HEADER_SIZE:])
+    payload = bytes(data[HEADER_SIZE : HEADER_SIZE + payload_len])
     if zlib.crc32(payload, zlib.crc32(head)) != crc:
         raise FrameError("frame checksum mismatch: the frame was corrupted in transit")
+    if secret is not None and not tag_len:
+        raise FrameError("frame carries no authentication tag: the sender does not use the job secret")
+    if secret is None and tag_len:
+        raise FrameError("frame is authenticated but this worker has no job secret (set FGDILOCO_SECRET or "
+                         "FGDILOCO_SECRET_FILE on every worker)")
+    if secret is not None and not hmac.compare_digest(
+            _tag(secret, bytes(data[:HEADER_SIZE]), payload), bytes(data[HEADER_SIZE + payload_len:])):
+        raise FrameError("frame authentication tag does not match: the sender does not hold the job secret")
     # From here on the frame is intact as sent: what remains rejects frames from another codec, model or build,
     # and forged ones (the CRC detects accidents, not intent).
     if codec_id != codec.codec_id:
@@ -193,7 +261,7 @@ def decode_frame(
         raise FrameError(f"frame claims sender rank {f_sender}, expected {sender}")
     if round is not None and f_round != round:
         raise FrameError(f"frame belongs to round {f_round}, expected {round}")
-    if flags & ~(FLAG_ZSTD | FLAG_SHUFFLE):
+    if flags & ~(FLAG_ZSTD | FLAG_SHUFFLE | FLAG_MAC):
         raise FrameError(f"frame has unknown flags {flags:#04x}")
     if bool(flags & FLAG_SHUFFLE) != (shuffle != 0):
         raise FrameError(f"frame shuffle flag ({bool(flags & FLAG_SHUFFLE)}) and element size ({shuffle}) disagree")

@@ -10,7 +10,7 @@ from .topology import (
     Topology,
     make_topology,
 )
-from .transport import DistributedTransport, ExchangeError, LocalHub, LocalTransport, Transport
+from .transport import DistributedTransport, ExchangeError, LocalHub, LocalTransport, PeerDeclined, PeerLeft, Transport
 
 __all__ = [
     "TOPOLOGIES",
@@ -22,6 +22,8 @@ __all__ = [
     "LocalTransport",
     "MixResult",
     "Mixer",
+    "PeerDeclined",
+    "PeerLeft",
     "PeerHealth",
     "RandomTopology",
     "RingTopology",

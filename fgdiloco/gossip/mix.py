@@ -23,15 +23,32 @@ all-gather.
 
 A failed, rejected, declined or skipped exchange leaves the worker's row of the mixing matrix as the identity for
 that gossip round (it keeps its own value), is counted in :class:`MixResult` and logged.
+
+**Deadlines.** Until the peer's first payload arrives, a pair exchange waits at most ``timeout`` and only while
+the peer is live: the transport's heartbeat and departure notices are polled every 0.25 s, so a dead, hung
+(SIGSTOPped) or departed peer costs at most ``LIVENESS_SECONDS`` (5 s; 2 s once another worker saw its connection
+reset), a side that gave up the exchange ends its peer's wait at once, and a live peer that is late because it lost
+time to a dead third one is waited for (exchanges between live peers do not fail in a cascade). After the first
+payload the rest of the conversation is bounded by the *adaptive deadline* (:meth:`Mixer.deadline`):
+``max(1 s + 3·median, median + 6·MAD)`` of the last 16 successful conversations of this mix (measured from the
+first payload to the accept byte), at most ``timeout``, and ``timeout`` itself until 5 have been measured.
+
+**Values out of scale.** Before a peer's message is mixed in, its norm is compared with this worker's own
+message of the same quantity: ``‖q_peer‖ > max_ratio·‖own‖ + 1e-6·√n`` (``max_ratio`` 100 in ``FGDiLoCo``, n elements)
+rejects the exchange on both sides through the abort path, is counted (:attr:`MixResult.out_of_scale`) and logged,
+so one broken or malicious peer cannot blow up a replica. Honest replicas are within a few percent of each other.
+Frames are authenticated with the job secret when one is set (:func:`fgdiloco.factor.frame.job_secret`).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import statistics
 import threading
 import time
 import zlib
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -40,7 +57,7 @@ import torch
 from ..factor.codec import Codec, CodecError, PairOutcome
 from ..factor.frame import FrameError, decode_frame, encode_frame
 from .topology import GROUP, IDLE, PAIR, Topology
-from .transport import ExchangeError, PeerDeclined, Transport, call_with_deadline
+from .transport import Background, ExchangeError, PeerDeclined, PeerLeft, Transport
 
 __all__ = ["MixResult", "Mixer", "PeerHealth", "pair_round_in_process"]
 
@@ -48,11 +65,22 @@ log = logging.getLogger("fgdiloco")
 
 _ABORT = b"FGDL/abort"  # sent instead of the next frame, or of the accept byte, by a side that gives up
 _ACCEPT = b"\x01"
+MAX_RATIO = 100.0  # a peer's message may be at most this many times our own in norm (plus SCALE_EPS per element)
+SCALE_EPS = 1e-6  # RMS per element added to the bound, so that all-zero values (round 0's momentum) still mix
+DEADLINE_SAMPLES = 16  # successful conversations the adaptive deadline is measured over
+DEADLINE_MIN_SAMPLES = 5  # before that many, the deadline is ``timeout``
+DEADLINE_MADS = 6.0  # deadline = median + this many MADs ...
+DEADLINE_FLOOR = (1.0, 3.0)  # ... but at least 1 s + 3 x the median
+_POLL = 0.25  # seconds between liveness checks while waiting for a peer's first payload
 
 
 class _Rejected(ExchangeError):
     """We rejected the peer's frame (or our own input), or the peer rejected ours: no one is to blame for a
     timeout, and the peer is not put in back-off."""
+
+
+class _OutOfScale(_Rejected):
+    """The peer's values were far out of scale against ours (``MAX_RATIO``)."""
 
 
 @dataclass
@@ -71,6 +99,8 @@ class MixResult:
         norm_sq: per tensor, ``‖x_i‖²`` of this worker's input at that exchange, or None.
         floor: this worker's quantisation error ``‖q(x_i) − x_i‖_F`` summed in quadrature over its exchanges.
         resynced: a group step with ``resync`` found replicas that differed and averaged them.
+        out_of_scale: exchanges rejected because the peer's values were out of scale (``MAX_RATIO``).
+        deadline: the adaptive deadline (seconds) of this mix's pair conversations, or None without any.
         seconds: wall time of the mix.
         errors: one line per failure.
     """
@@ -85,6 +115,8 @@ class MixResult:
     norm_sq: list[float] | None = None
     floor: float = 0.0
     resynced: bool = False
+    out_of_scale: int = 0
+    deadline: float | None = None
     seconds: float = 0.0
     errors: list[str] = field(default_factory=list)
 
@@ -154,11 +186,17 @@ class Mixer:
         health: shared peer back-off state.
         resync: group steps compare digests first and average (losslessly) only replicas that differ (Mix1 of the
             exact topology).
+        secret: the job secret: frames are authenticated with it (HMAC-SHA256) and unauthenticated ones rejected.
+        max_ratio: bound on a peer's message norm against our own (see the module docstring; ``FGDiLoCo`` uses
+            ``MAX_RATIO``); None: no check.
+
+    :attr:`generation` is part of every exchange key: the wrapper bumps it when a checkpoint is loaded into it, so
+    the restarted rounds never meet the keys of the rounds before.
     """
 
     def __init__(self, name: str, topology: Topology, transport: Transport | None, codec: Codec, rounds: int,
                  fingerprint: bytes, timeout: float, offset: int = 0, health: PeerHealth | None = None,
-                 resync: bool = False):
+                 resync: bool = False, secret: bytes | None = None, max_ratio: float | None = None):
         self.name = name
         self.topology = topology
         self.transport = transport
@@ -169,7 +207,24 @@ class Mixer:
         self.offset = offset
         self.health = health or PeerHealth()
         self.resync = resync
-        self._prepared: set[str] = set()
+        self.secret = secret
+        self.max_ratio = max_ratio
+        self.generation = 0
+        self._prepared: dict[str, int] = {}  # exchange key -> peer
+        self._durations: deque[float] = deque(maxlen=DEADLINE_SAMPLES)
+
+    def deadline(self) -> float:
+        """Seconds a pair conversation may take once both peers are there: ``max(1 + 3·median, median + 6·MAD)``
+        of the last ``DEADLINE_SAMPLES`` successful conversations of this mix, at most ``timeout``; ``timeout``
+        until ``DEADLINE_MIN_SAMPLES`` were measured."""
+        if len(self._durations) < DEADLINE_MIN_SAMPLES:
+            return self.timeout
+        med = statistics.median(self._durations)
+        mad = statistics.median(abs(d - med) for d in self._durations)
+        return min(self.timeout, max(DEADLINE_FLOOR[0] + DEADLINE_FLOOR[1] * med, med + DEADLINE_MADS * mad))
+
+    def _key(self, idx: int) -> str:
+        return f"{self.name}/{self.generation}/{idx}"
 
     def schedule_index(self, outer_round: int, k: int) -> int:
         return outer_round * self.rounds + k + self.offset
@@ -185,10 +240,21 @@ class Mixer:
         for k in range(self.rounds):
             idx = self.schedule_index(outer_round, k)
             step = self.topology.step(self.transport.rank, idx)
-            if step.kind == PAIR and not self.health.skip(step.peer, outer_round):
-                key = f"{self.name}/{idx}"
+            if step.kind == PAIR and not self.health.skip(step.peer, outer_round) \
+                    and not self.transport.has_left(step.peer):
+                key = self._key(idx)
                 self.transport.prepare(step.peer, key=key, timeout=self.timeout)
-                self._prepared.add(key)
+                self._prepared[key] = step.peer
+
+    def discard_prepared(self) -> None:
+        """Give up every exchange set up by :meth:`prepare` and not run (a checkpoint was loaded, or the worker
+        leaves): the peers' exchanges fail at once instead of waiting for their deadline."""
+        prepared, self._prepared = self._prepared, {}
+        for key, peer in prepared.items():
+            try:
+                self.transport.discard(peer, key=key)
+            except Exception as err:  # noqa: BLE001 - a store we cannot reach: the peer times out as before
+                log.debug("fgdiloco %s: could not discard %s: %s", self.name, key, err)
 
     def run(self, values: Sequence[torch.Tensor], outer_round: int) -> MixResult:
         """Mix ``values`` (fp32 tensors) in outer round ``outer_round``. The inputs are never modified in place;
@@ -225,34 +291,54 @@ class Mixer:
     def _pair(self, res: MixResult, peer: int, idx: int, outer_round: int) -> float:
         res.peers.append(peer)
         res.exchanges += 1
-        key = f"{self.name}/{idx}"
-        prepared = key in self._prepared
-        self._prepared.discard(key)
+        key = self._key(idx)
+        prepared = self._prepared.pop(key, None) is not None
+        if self.transport.has_left(peer):
+            self._fail(res, f"rank {peer} has left (departure notice)")
+            return 0.0
         if not prepared and self.health.skip(peer, outer_round):
             try:
                 self.transport.decline(peer, key=key)  # the peer's open() fails at once instead of timing out
             except Exception as err:  # noqa: BLE001 - a store we cannot reach: the peer times out as before
                 log.debug("fgdiloco %s: could not post a skip notice for %s: %s", self.name, key, err)
-            self._fail(res, f"peer {peer} skipped (back-off after failures)")
+            self._fail(res, f"rank {peer} skipped (back-off after failures)")
             return 0.0
         values = res.values
         counts = [0, 0]  # bytes sent, received (kept even when the conversation fails midway)
+        deadline = self.deadline()
+        res.deadline = deadline if res.deadline is None else max(res.deadline, deadline)
+        met: list[float] = []  # when the peer's first payload came (the conversation's deadline starts then)
+        what = f"{self.name} exchange {key} with rank {peer}"
         try:
-            outcome = call_with_deadline(lambda: self._converse(peer, key, idx, values, counts), self.timeout,
-                                         f"{self.name} exchange {key} with rank {peer}")
-        except _Rejected as e:
+            outcome = self._supervise(Background(lambda: self._converse(peer, key, idx, values, counts, deadline,
+                                                                        met), what), peer, key, met, deadline, what)
+        except _OutOfScale as e:
+            res.out_of_scale += 1
             self._fail(res, str(e))
             return 0.0
-        except PeerDeclined as e:
+        except (_Rejected, PeerDeclined) as e:  # PeerLeft is a PeerDeclined: no back-off needed either
             self._fail(res, str(e))
             return 0.0
         except ExchangeError as e:
-            self.health.failure(peer, outer_round)
-            self._fail(res, str(e))
+            try:  # a peer that left dropped its end of a prepared group: not a failure to back off from
+                left = self.transport.peer_gone(peer, time.monotonic()) == "left"
+            except Exception:  # noqa: BLE001 - a store we cannot reach: treat it as a plain failure
+                left = False
+            if left:
+                self._fail(res, f"{e} (rank {peer} has left: departure notice)")
+            else:
+                self.health.failure(peer, outer_round)
+                self._fail(res, str(e))
+                reset = "reset by peer" in str(e) or "closed by peer" in str(e)
+                try:  # tell the peer, which may still be waiting for us, that this exchange is over
+                    self.transport.abandon(peer, key=key, suspect=reset)
+                except Exception as err:  # noqa: BLE001 - a store we cannot reach: the peer times out as before
+                    log.debug("fgdiloco %s: could not abandon %s: %s", self.name, key, err)
             return 0.0
         finally:
             res.bytes_sent += counts[0]
             res.bytes_received += counts[1]
+        self._durations.append(time.monotonic() - met[0])
         self.health.success(peer)
         if res.distance_sq is None:
             res.distance_sq = outcome.distance_sq
@@ -261,15 +347,56 @@ class Mixer:
         outcome.commit()
         return outcome.floor
 
+    def _supervise(self, job: Background, peer: int, key: str, met: list[float], deadline: float,
+                   what: str) -> PairOutcome:
+        """Wait for the conversation in ``job``: until the peer's first payload at most ``timeout``, giving up as
+        soon as the peer left or its heartbeat stopped (polled every ``_POLL`` s); then at most ``deadline``.
+        A thread left behind ends when its Gloo wait times out (the same bounds)."""
+        t0 = time.monotonic()
+        while True:
+            limit = met[0] + deadline if met else t0 + self.timeout
+            now = time.monotonic()
+            if now >= limit:
+                raise ExchangeError(f"{what} timed out after {now - t0:.1f} s"
+                                    + (f" ({deadline:.1f} s deadline after the first payload)" if met else ""))
+            if job.wait(min(limit - now, _POLL)):
+                break
+            if not met:
+                gone = self.transport.peer_gone(peer, t0, key)
+                if gone == "left":
+                    raise PeerLeft(f"{what}: the peer has left (departure notice)")
+                if gone == "abandoned":
+                    raise PeerDeclined(f"{what} declined: rank {peer} gave up the exchange")
+                if gone is not None:
+                    raise ExchangeError(f"{what} failed: the peer is gone ({gone})")
+        try:
+            return job.result()
+        except ExchangeError:
+            raise
+        except BaseException as err:  # noqa: BLE001 - every failure of an exchange is an ExchangeError
+            raise ExchangeError(f"{what} failed: {type(err).__name__}: {err}") from err
+
+    def _check_scale(self, reply: Sequence[torch.Tensor], own: Sequence[torch.Tensor], peer: int, key: str) -> None:
+        """Raise :class:`_OutOfScale` when ``‖reply‖ > max_ratio·‖own‖ + SCALE_EPS·√n``."""
+        n = sum(t.numel() for t in own)
+        peer_norm = math.sqrt(sum(float(torch.sum(t.double() ** 2)) for t in reply))
+        own_norm = math.sqrt(sum(float(torch.sum(t.double() ** 2)) for t in own))
+        bound = self.max_ratio * own_norm + SCALE_EPS * math.sqrt(n)
+        if peer_norm > bound:
+            raise _OutOfScale(f"rejected values from rank {peer} in {key}: norm {peer_norm:.3g} is out of scale "
+                              f"against ours ({own_norm:.3g}; bound {self.max_ratio:g}x + {SCALE_EPS:g}/element)")
+
     def _converse(self, peer: int, key: str, idx: int, values: Sequence[torch.Tensor],
-                  counts: list[int]) -> PairOutcome:
-        """The whole conversation with ``peer`` (runs under the exchange's deadline): the codec's messages, then
+                  counts: list[int], deadline: float, met: list[float]) -> PairOutcome:
+        """The whole conversation with ``peer`` (runs under :meth:`_supervise`): the codec's messages, then
         accept/reject. Returns the outcome only when both sides accepted."""
         rank = self.transport.rank
-        channel = self.transport.open(peer, key=key, timeout=self.timeout)
+        channel = self.transport.open(peer, key=key, timeout=self.timeout, deadline=deadline)
 
         def send(payload: bytes) -> bytes:
             got = channel.exchange(payload)
+            if not met:
+                met.append(time.monotonic())
             counts[0] += len(payload)
             counts[1] += len(got)
             return got
@@ -289,16 +416,22 @@ class Mixer:
                     raise _Rejected(f"own {self.name} input not sent: {e}") from e
                 tag = (idx << 2) | min(phase, 3)
                 frame = encode_frame(msg.codec, msg.body, sender=rank, round=tag, fingerprint=self.fingerprint,
-                                     shuffle=msg.codec.shuffle)
+                                     shuffle=msg.codec.shuffle, secret=self.secret)
                 got = send(frame)
                 if got == _ABORT:
                     raise _Rejected(f"rank {peer} aborted {key} (it rejected our frame or could not send)")
                 try:
                     reply = decode_frame(got, msg.codec, msg.like, fingerprint=self.fingerprint, sender=peer,
-                                         round=tag)
+                                         round=tag, secret=self.secret)
                 except FrameError as e:  # the abort takes the place of our next message or of our accept byte
                     send(_ABORT)
                     raise _Rejected(f"rejected frame from rank {peer}: {e}") from e
+                if self.max_ratio is not None:
+                    try:
+                        self._check_scale(reply, msg.like, peer, key)
+                    except _OutOfScale:
+                        send(_ABORT)
+                        raise
                 phase += 1
             verdict = send(_ACCEPT)
             if verdict != _ACCEPT:
@@ -312,7 +445,7 @@ class Mixer:
         """The exact average over every worker. Returns True when the values now are that average."""
         res.exchanges += 1
         m = self.transport.world_size
-        key = f"{self.name}/{idx}"
+        key = self._key(idx)
         values = res.values
         if self.resync:
             mine = _digest(values)
@@ -366,7 +499,7 @@ class Mixer:
         m, rank = self.transport.world_size, self.transport.rank
         body, own_q, commit = self.codec.encode_staged(values)
         frame = encode_frame(self.codec, body, sender=rank, round=0, fingerprint=self.fingerprint,
-                             shuffle=self.codec.shuffle)
+                             shuffle=self.codec.shuffle, secret=self.secret)
         try:
             frames = self.transport.all_gather(frame, key=key, timeout=self.timeout)
         except ExchangeError as e:
@@ -380,7 +513,8 @@ class Mixer:
                 continue
             res.bytes_received += len(f)
             try:
-                decoded.append(decode_frame(f, self.codec, values, fingerprint=self.fingerprint, sender=src, round=0))
+                decoded.append(decode_frame(f, self.codec, values, fingerprint=self.fingerprint, sender=src, round=0,
+                                            secret=self.secret))
             except FrameError as e:
                 decoded.append(None)
                 self._fail(res, f"rejected frame from rank {src}: {e}", "left out of the mean by every worker")

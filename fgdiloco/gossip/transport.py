@@ -16,7 +16,19 @@ one-byte accept/reject from each side, so an exchange is applied by both peers o
 (:mod:`fgdiloco.gossip.mix`). Before any Gloo connection is made each side posts a *hello* for the exchange in the
 store, ``go`` or ``skip``: a worker that skips an exchange (its peer is in back-off, or it has no use for it) says so
 with :meth:`Transport.decline`, and its peer's :meth:`~Transport.open` fails at once with :class:`PeerDeclined`
-instead of waiting for the timeout.
+instead of waiting for the timeout. Once both hellos are there, each side records its decision for the exchange with
+an atomic ``compare_set`` on one shared key: the first decision wins, so a side that gives up a prepared exchange
+(:meth:`Transport.discard`: a checkpoint was loaded, or the worker is leaving) and a side that is about to build the
+pair group can never disagree about whether the group is built.
+
+Who is there. Every worker bumps a heartbeat counter in the store every :data:`HEARTBEAT_SECONDS`; a worker waiting
+for a peer's hello gives up as soon as the peer's counter has not moved for :data:`LIVENESS_SECONDS` (a dead or
+SIGSTOPped peer costs that, not the timeout; :data:`SUSPECT_LIVENESS_SECONDS` when another worker already saw its
+connections reset, the mark of a dead process), and a live peer that is merely late is waited for up to the
+timeout (so a peer that lost time to a dead third one never makes a live exchange fail). A side that gives up an
+exchange it had started (:meth:`Transport.abandon`) says so, and its peer stops waiting at once. A worker that leaves
+(:meth:`Transport.leave`, called by ``FGDiLoCo.close``) posts a departure notice that its peers' waits check at
+every poll: an exchange with a departed worker fails at once with :class:`PeerLeft`.
 
 Each exchange in flight talks to the store over its own connection (:class:`_StorePool` of ``Store.clone()``s):
 a store client serialises its operations, so Mix1's background exchange waiting for its peer's address would
@@ -32,17 +44,22 @@ import contextlib
 import datetime
 import secrets
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Background", "Channel", "ExchangeError", "PeerDeclined", "Transport", "DistributedTransport", "LocalHub",
-           "LocalTransport"]
+__all__ = ["Background", "Channel", "ExchangeError", "PeerDeclined", "PeerLeft", "Transport", "DistributedTransport",
+           "LocalHub", "LocalTransport", "HEARTBEAT_SECONDS", "LIVENESS_SECONDS"]
 
 T = TypeVar("T")
 MAX_PAYLOAD_BYTES = 1 << 34  # a peer announcing more than 16 GiB is rejected before allocating
+HEARTBEAT_SECONDS = 0.25  # how often a worker bumps its heartbeat counter in the store
+LIVENESS_SECONDS = 5.0  # a peer whose heartbeat has not moved for this long is taken for dead (or hung)
+SUSPECT_LIVENESS_SECONDS = 2.0  # ... or this long when another worker saw its connection reset (a dead process)
+_POLL_SECONDS = 0.1  # longest single store wait while waiting for a peer's hello (then departure/liveness checks)
 
 
 class ExchangeError(RuntimeError):
@@ -52,6 +69,14 @@ class ExchangeError(RuntimeError):
 class PeerDeclined(ExchangeError):
     """The peer posted a skip notice for this exchange (it is backing off from us, or leaving): no timeout was
     spent, and the peer is not to blame for a failure."""
+
+
+class PeerLeft(PeerDeclined):
+    """The peer posted a departure notice (``FGDiLoCo.close``): it will not exchange again."""
+
+
+class _Discarded(ExchangeError):
+    """A prepared exchange given up by this side before the peer committed to it."""
 
 
 _HELLO_GO, _HELLO_SKIP = b"go", b"skip"
@@ -89,6 +114,11 @@ class Background:
             self._box["error"] = e
 
     def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait at most ``timeout`` seconds for ``fn`` to end; True when it has."""
+        self._thread.join(timeout)
         return not self._thread.is_alive()
 
     def result(self, timeout: float | None = None) -> Any:
@@ -140,10 +170,14 @@ class Transport(abc.ABC):
     timeout: float = 60.0  # seconds, for calls that give none
 
     @abc.abstractmethod
-    def open(self, peer: int, *, key: str, timeout: float) -> Channel:
+    def open(self, peer: int, *, key: str, timeout: float, deadline: float | None = None) -> Channel:
         """Meet ``peer`` for the exchange ``key`` (both call it with the same key) and return the channel.
 
+        ``timeout`` bounds the wait for a live peer to arrive, up to its first payload on the channel;
+        ``deadline`` (default ``timeout``) bounds each later payload.
+
         Raises:
+            PeerLeft: the peer posted a departure notice.
             PeerDeclined: the peer posted a skip notice for ``key``.
             ExchangeError: the peer did not arrive within ``timeout`` seconds, or is dead.
         """
@@ -151,6 +185,29 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def decline(self, peer: int, *, key: str) -> None:
         """Post a skip notice for the exchange ``key`` with ``peer``: its :meth:`open` fails at once."""
+
+    def discard(self, peer: int, *, key: str) -> None:
+        """Give up the exchange ``key`` with ``peer`` prepared by :meth:`prepare` (or never opened): the peer's
+        :meth:`open` fails at once (or, when it had already committed, on a connection that is closed).
+        Default: :meth:`decline`."""
+        self.decline(peer, key=key)
+
+    def leave(self) -> None:  # noqa: B027 - optional hook
+        """Post a departure notice: every later exchange a peer attempts with this worker fails at once."""
+
+    def has_left(self, peer: int) -> bool:
+        """Whether ``peer`` is known to have posted a departure notice (default: never known)."""
+        return False
+
+    def peer_gone(self, peer: int, since: float, key: str | None = None) -> str | None:
+        """Why ``peer`` will not come (``"left"``, ``"abandoned"`` the exchange ``key``, or its heartbeat
+        stopped), or None when it may still come. ``since`` (``time.monotonic()``) is when the caller started
+        waiting for it. Default: never known."""
+        return None
+
+    def abandon(self, peer: int, *, key: str, suspect: bool = False) -> None:  # noqa: B027 - optional hook
+        """Say that this side gave up the exchange ``key`` with ``peer`` (its wait for us ends at once);
+        ``suspect``: the connection was reset, ``peer`` is probably dead. Default: nothing."""
 
     def exchange(self, peer: int, payload: bytes, *, key: str, timeout: float | None = None) -> bytes:
         """One payload each way under ``key``: :meth:`open`, one :meth:`Channel.exchange`, close, within
@@ -241,26 +298,118 @@ class DistributedTransport(Transport):
             self._coll = dist.new_group(self.global_ranks, backend="gloo",
                                         timeout=datetime.timedelta(seconds=self.timeout))
         self._coll_lock = threading.Lock()
-        self._prepared: dict[tuple[int, str], Background] = {}
+        self._prepared: dict[tuple[int, str], tuple[Background, threading.Event]] = {}
         self._prepared_lock = threading.Lock()
+        # liveness: our heartbeat, and what we last saw of each peer's (value, when we saw it change)
+        self._seen: dict[int, tuple[int, float]] = {}
+        self._seen_lock = threading.Lock()
+        self._left: set[int] = set()
+        self._stop = threading.Event()
+        beat_store = self._stores.acquire()
+        beat_store.add(self._alive_key(self.rank), 1)
+        self._heartbeat = threading.Thread(target=self._beat, args=(beat_store,), name="fgdiloco-heartbeat",
+                                           daemon=True)
+        self._heartbeat.start()
+
+    def _alive_key(self, rank: int) -> str:
+        return f"{self.namespace}/alive/{rank}"
+
+    def _left_key(self, rank: int) -> str:
+        return f"{self.namespace}/left/{rank}"
+
+    def _beat(self, store: dist.Store) -> None:
+        while not self._stop.wait(HEARTBEAT_SECONDS):
+            with contextlib.suppress(Exception):  # a store that is slow or gone: try again at the next beat
+                store.add(self._alive_key(self.rank), 1)
+
+    def _peer_gone(self, store: dist.Store, peer: int, since: float, key: str | None = None) -> str | None:
+        """Why ``peer`` will not come (it left, abandoned ``key``, or its heartbeat stood still for
+        ``LIVENESS_SECONDS``), or None. ``since`` is when we started waiting: a peer never seen before gets
+        ``LIVENESS_SECONDS`` from then."""
+        if peer in self._left:
+            return "left"
+        if store.add(self._left_key(peer), 0) > 0:
+            self._left.add(peer)
+            return "left"
+        if key is not None and store.add(f"{self._prefix(peer, key)}/abandoned/{peer}", 0) > 0:
+            return "abandoned"
+        limit = SUSPECT_LIVENESS_SECONDS if store.add(self._suspect_key(peer), 0) > 0 else LIVENESS_SECONDS
+        beat = store.add(self._alive_key(peer), 0)
+        now = time.monotonic()
+        with self._seen_lock:
+            value, seen = self._seen.get(peer, (None, since))
+            if value != beat:
+                self._seen[peer] = (beat, now)
+                return None
+        if now - seen > limit:
+            return f"no heartbeat for {now - seen:.1f} s"
+        return None
+
+    def _suspect_key(self, rank: int) -> str:
+        return f"{self.namespace}/suspect/{rank}"
+
+    def abandon(self, peer: int, *, key: str, suspect: bool = False) -> None:
+        self._check_peer(peer)
+        store = self._stores.acquire()
+        try:
+            prefix = self._prefix(peer, key)
+            store.compare_set(f"{prefix}/decision", "", _HELLO_SKIP)
+            store.add(f"{prefix}/abandoned/{self.rank}", 1)
+            if suspect:
+                store.add(self._suspect_key(peer), 1)
+        finally:
+            self._stores.release(store)
+
+    def has_left(self, peer: int) -> bool:
+        return peer in self._left
+
+    def peer_gone(self, peer: int, since: float, key: str | None = None) -> str | None:
+        store = self._stores.acquire()
+        try:
+            return self._peer_gone(store, peer, since, key)
+        finally:
+            self._stores.release(store)
 
     def _prefix(self, peer: int, key: str) -> str:
         a, b = sorted((self.rank, peer))
         return f"{self.namespace}/{key}/{a}-{b}"
 
-    def _build(self, peer: int, key: str, timeout: float) -> tuple[Any, int]:
-        """Post our hello, wait for the peer's, then build the private 2-rank Gloo group (both sides do the same)."""
+    def _build(self, peer: int, key: str, timeout: float, cancel: threading.Event | None = None) -> tuple[Any, int]:
+        """Post our hello, wait for the peer's (polling its departure notice and heartbeat between short waits),
+        agree on the decision, then build the private 2-rank Gloo group (both sides do the same)."""
         store = self._stores.acquire()
         try:
             prefix = self._prefix(peer, key)
             store.set(f"{prefix}/hello/{self.rank}", _HELLO_GO)
             theirs = f"{prefix}/hello/{peer}"
-            try:
-                store.wait([theirs], datetime.timedelta(seconds=timeout))
-            except Exception as err:  # noqa: BLE001 - a store timeout or a closed store: the peer did not come
-                raise ExchangeError(f"rank {peer} did not arrive for {key} within {timeout:.1f} s") from err
-            if store.get(theirs) == _HELLO_SKIP:
-                raise PeerDeclined(f"rank {peer} declined {key}")
+            t0 = time.monotonic()
+            poll = 0.005  # grows to _POLL_SECONDS: a peer that is already there is met within milliseconds
+            while True:
+                if cancel is not None and cancel.is_set():
+                    if store.compare_set(f"{prefix}/decision", "", _HELLO_SKIP) != _HELLO_GO:
+                        raise _Discarded(f"{key} with rank {peer} discarded")
+                    break  # the peer committed first: build the group (it is there), the caller drops it
+                gone = self._peer_gone(store, peer, t0, key)
+                if gone == "left":
+                    raise PeerLeft(f"rank {peer} has left (departure notice) before {key}")
+                if gone == "abandoned":
+                    raise PeerDeclined(f"rank {peer} declined {key}: it gave up the exchange")
+                if gone is not None:
+                    raise ExchangeError(f"rank {peer} did not arrive for {key}: {gone}")
+                left = timeout - (time.monotonic() - t0)
+                if left <= 0:
+                    raise ExchangeError(f"rank {peer} did not arrive for {key} within {timeout:.1f} s")
+                # check() and a local wait, not store.wait with a short timeout: a timed-out TCPStore wait logs a
+                # c10d warning every time
+                if not store.check([theirs]):
+                    time.sleep(min(poll, left))
+                    poll = min(2 * poll, _POLL_SECONDS)
+                    continue
+                if store.get(theirs) == _HELLO_SKIP:
+                    raise PeerDeclined(f"rank {peer} declined {key}")
+                if store.compare_set(f"{prefix}/decision", "", _HELLO_GO) != _HELLO_GO:
+                    raise PeerDeclined(f"rank {peer} discarded {key}")
+                break
             me = 0 if self.rank < peer else 1
             pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), me, 2, datetime.timedelta(seconds=timeout))
             return pg, 1 - me
@@ -272,51 +421,88 @@ class DistributedTransport(Transport):
 
         Setting up a Gloo pair costs a few store round trips and TCP connects; done during the inner steps, Mix2's
         blocking exchange is left with the transfer itself. Both sides should prepare the same keys (they do: the
-        schedule is shared). A preparation that failed makes :meth:`open` raise its error.
+        schedule is shared). A preparation that failed makes :meth:`open` raise its error; one that is not
+        needed after all is given up with :meth:`discard`.
         """
         self._check_peer(peer)
         timeout = self.timeout if timeout is None else timeout
-        job = Background(lambda: self._build(peer, key, timeout), f"prepare {key} with rank {peer}")
+        cancel = threading.Event()
+        job = Background(lambda: self._build(peer, key, timeout, cancel), f"prepare {key} with rank {peer}")
         with self._prepared_lock:
-            self._prepared[(peer, key)] = job
+            self._prepared[(peer, key)] = (job, cancel)
+
+    def discard(self, peer: int, *, key: str) -> None:
+        """Give up a prepared exchange: before the peer committed, its :meth:`open` fails at once
+        (:class:`PeerDeclined`); after, the pair group is built and dropped, so the peer's first operation on it
+        meets a closed connection. An exchange that was never prepared is declined."""
+        self._check_peer(peer)
+        with self._prepared_lock:
+            entry = self._prepared.pop((peer, key), None)
+        if entry is None:
+            self.decline(peer, key=key)
+            return
+        job, cancel = entry
+        cancel.set()
+        with contextlib.suppress(Exception):  # whatever it ended with, the exchange is not used
+            job.result()
+
+    def leave(self) -> None:
+        """Post this worker's departure notice (``FGDiLoCo.close`` does): peers waiting for it, or about to,
+        fail their exchanges with it at once."""
+        store = self._stores.acquire()
+        try:
+            store.add(self._left_key(self.rank), 1)
+        finally:
+            self._stores.release(store)
 
     def close(self) -> None:
-        """Let every prepared pair group finish setting up (each bounded by its timeout) and release them.
+        """Let every prepared pair group finish setting up (each bounded by its timeout) and release them; stop
+        the heartbeat.
 
         A daemon thread still inside Gloo when the interpreter exits aborts the process ("terminate called without
         an active exception"), so this runs before exit (``FGDiLoCo.close``, also called at exit).
         """
         with self._prepared_lock:
             pending, self._prepared = list(self._prepared.values()), {}
-        for job in pending:
+        for job, _ in pending:
             with contextlib.suppress(Exception):  # a failed preparation has nothing left to release
                 job.result()
+        self._stop.set()
 
     def _check_peer(self, peer: int) -> None:
         if peer == self.rank or not 0 <= peer < self.world_size:
             raise ValueError(f"peer must be another rank in [0, {self.world_size}), got {peer}")
 
-    def open(self, peer: int, *, key: str, timeout: float | None = None) -> Channel:
+    def open(self, peer: int, *, key: str, timeout: float | None = None, deadline: float | None = None) -> Channel:
         self._check_peer(peer)
         timeout = self.timeout if timeout is None else timeout
+        deadline = timeout if deadline is None else deadline
         with self._prepared_lock:
-            prepared = self._prepared.pop((peer, key), None)
-        if prepared is not None:
+            entry = self._prepared.pop((peer, key), None)
+        if entry is not None:
             try:
-                pg, other = prepared.result(timeout)
+                pg, other = entry[0].result(timeout)
             except ExchangeError:
                 raise
             except Exception as err:  # noqa: BLE001 - every failure to meet the peer is an ExchangeError
                 raise ExchangeError(f"meeting rank {peer} for {key} failed: {type(err).__name__}: {err}") from err
+            store = self._stores.acquire()
+            try:  # a peer that left after the group was prepared has dropped its end
+                if self._peer_gone(store, peer, time.monotonic()) == "left":
+                    raise PeerLeft(f"rank {peer} has left (departure notice) before {key}")
+            finally:
+                self._stores.release(store)
         else:
             pg, other = self._build(peer, key, timeout)
-        return _GlooChannel(pg, other, peer, key)
+        return _GlooChannel(pg, other, peer, key, deadline)
 
     def decline(self, peer: int, *, key: str) -> None:
         self._check_peer(peer)
         store = self._stores.acquire()
         try:
-            store.set(f"{self._prefix(peer, key)}/hello/{self.rank}", _HELLO_SKIP)
+            prefix = self._prefix(peer, key)
+            store.compare_set(f"{prefix}/decision", "", _HELLO_SKIP)
+            store.set(f"{prefix}/hello/{self.rank}", _HELLO_SKIP)
         finally:
             self._stores.release(store)
 
@@ -361,19 +547,22 @@ class DistributedTransport(Transport):
 class _GlooChannel(Channel):
     """A channel on a private 2-rank Gloo group: each payload travels as its length, then its bytes."""
 
-    def __init__(self, pg: Any, other: int, peer: int, key: str):
+    def __init__(self, pg: Any, other: int, peer: int, key: str, deadline: float):
         self.pg, self.other, self.peer, self.key = pg, other, peer, key
         self._tag = 0
+        self._deadline = datetime.timedelta(seconds=deadline)
 
     def exchange(self, payload: bytes) -> bytes:
         tag, self._tag = self._tag, self._tag + 2
+        # the first payload waits for the peer to arrive (the group's timeout), later ones for the deadline only
+        wait = {} if tag == 0 else {"timeout": self._deadline}
         n_out = torch.tensor([len(payload)], dtype=torch.int64)
         n_in = torch.zeros(1, dtype=torch.int64)
         try:
             # receive posted before send: send-first ran at about half the link rate on shaped links (WAN benchmark)
             works = [self.pg.recv([n_in], self.other, tag), self.pg.send([n_out], self.other, tag)]
             for w in works:
-                w.wait()
+                w.wait(**wait)
             size = int(n_in.item())
             if not 0 < size <= MAX_PAYLOAD_BYTES:
                 raise ExchangeError(f"rank {self.peer} announced a payload of {size} bytes in {self.key}")
@@ -381,7 +570,7 @@ class _GlooChannel(Channel):
             out = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
             works = [self.pg.recv([buf], self.other, tag + 1), self.pg.send([out], self.other, tag + 1)]
             for w in works:
-                w.wait()
+                w.wait(**wait)
         except ExchangeError:
             raise
         except Exception as err:  # noqa: BLE001 - Gloo raises RuntimeError for a dead or late peer
@@ -448,7 +637,7 @@ class LocalTransport(Transport):
         self.rank = rank
         self.world_size = hub.world_size
 
-    def open(self, peer: int, *, key: str, timeout: float = 60.0) -> Channel:
+    def open(self, peer: int, *, key: str, timeout: float = 60.0, deadline: float | None = None) -> Channel:
         if self.rank in self.hub.dead:
             raise ExchangeError("this worker is marked dead")
         gate = self.hub.gate(key) if self.hub.gate else None

@@ -36,6 +36,11 @@ class RoundStats:
             (with a low-rank codec: of the part in the pair's shared basis, the part that is mixed).
         momentum_distance: the same (RMS per element) for the outer momentum buffers when Mix1 carries them.
         failed_exchanges: exchanges of either mix that failed, timed out, were rejected, declined or skipped.
+        out_of_scale: exchanges (of either mix) rejected because the peer's values were out of scale against this
+            worker's own (``‖q_peer‖ > 100·‖own‖``, :mod:`fgdiloco.gossip.mix`); also in ``failed_exchanges``.
+        deadline_seconds: the adaptive deadline of Mix2's pair conversations in this round (seconds allowed after
+            the peer's first payload: ``max(1 + 3·median, median + 6·MAD)`` of recent exchanges, at most
+            ``timeout``), or None when Mix2 had no pair exchange. ``mix1_deadline_seconds``: the same for Mix1.
         resynced: the exact topology's Mix1 found replicas that differed and averaged them.
         mix1_peers, mix2_peers: the peer of each gossip round (None: no peer, -1: all-reduce).
         errors: one line per failure.
@@ -60,6 +65,9 @@ class RoundStats:
     pseudo_gradient_distance: float | None = None
     pseudo_gradient_relative: float | None = None
     momentum_distance: float | None = None
+    out_of_scale: int = 0
+    deadline_seconds: float | None = None
+    mix1_deadline_seconds: float | None = None
     resynced: bool = False
     mix1_peers: list[int | None] = field(default_factory=list)
     mix2_peers: list[int | None] = field(default_factory=list)

@@ -6,7 +6,11 @@ import atexit
 import contextlib
 import logging
 import math
+import os
+import signal
+import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -16,10 +20,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..factor.codec import Codec, resolve_codec
-from ..factor.frame import layout_fingerprint
-from ..gossip.mix import Mixer, MixResult, PeerHealth
+from ..factor.frame import job_secret, layout_fingerprint
+from ..gossip.mix import MAX_RATIO, Mixer, MixResult, PeerHealth
 from ..gossip.topology import Topology, make_topology
-from ..gossip.transport import Background, DistributedTransport, Transport
+from ..gossip.transport import Background, DistributedTransport, Transport, call_with_deadline
 from ..mesh import ReplicaMesh
 from .stats import RoundStats
 
@@ -27,7 +31,12 @@ __all__ = ["FGDiLoCo"]
 
 log = logging.getLogger("fgdiloco")
 
-STATE_VERSION = 2  # 2: fp32 outer momentum owned by the wrapper ("momentum"); 1: a torch.optim.SGD state
+# 3: + the model's trainable parameters and buffers ("params", "buffers") and the key "generation";
+# 2: fp32 outer momentum owned by the wrapper ("momentum"); 1: outer momentum as a torch.optim.SGD state ("outer")
+STATE_VERSION = 3
+_STATE_KEYS = ("version", "inner", "anchor", "round", "steps_in_round", "seed", "topology", "world_size", "rank",
+               "fingerprint", "codec", "mix1_codec")
+_STATE_KEYS_BY_VERSION = {1: ("outer",), 2: ("momentum",), 3: ("momentum", "params", "buffers", "generation")}
 
 # Wrappers whose next round's Mix1 may be in flight. At interpreter exit each one lets its exchange finish (both
 # peers do the same, so it ends quickly; a dead peer costs at most the timeout): a daemon thread killed inside a
@@ -39,6 +48,36 @@ _LIVE: weakref.WeakSet[FGDiLoCo] = weakref.WeakSet()
 def _drain_at_exit() -> None:
     for opt in list(_LIVE):
         opt.close()
+
+
+_SIGTERM_PREVIOUS: list[Any] = []  # the handler ours replaced (installed once per process)
+
+
+def _leave_on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM (torchrun's agent, a scheduler, ``kill``): post every live wrapper's departure notice (at most 1 s
+    each), so peers stop waiting for this worker at once, then do what the previous handler did."""
+    for opt in list(_LIVE):
+        if opt.transport is not None:
+            with contextlib.suppress(Exception):
+                call_with_deadline(opt.transport.leave, 1.0, "departure notice")
+    previous = _SIGTERM_PREVIOUS[0]
+    if callable(previous):
+        previous(signum, frame)
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _install_sigterm_handler() -> None:
+    """Chain :func:`_leave_on_sigterm` before the current SIGTERM handler, once, from the main thread only (signal
+    handlers cannot be set elsewhere); an ignored SIGTERM stays ignored."""
+    if _SIGTERM_PREVIOUS or threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous in (signal.SIG_IGN, None):
+        return
+    _SIGTERM_PREVIOUS.append(previous)
+    signal.signal(signal.SIGTERM, _leave_on_sigterm)
 
 
 def _is_int(x: Any) -> bool:
@@ -206,6 +245,13 @@ class FGDiLoCo:
                              f"({shown}); build it from model.parameters()")
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
+        self._param_ids = {id(p) for p in self.params}
+        extra = self._unsynchronised()
+        if extra:
+            raise ValueError(f"inner_optimizer holds {len(extra)} trainable parameter(s) that are not trainable "
+                             f"parameters of model ({', '.join(extra[:5])}): they would be trained but never "
+                             "synchronised; build it from model.parameters()")
+        self._n_held = self._count_held()
         layout = [(n, p.shape, p.dtype) for n, p in named]
         if mesh is not None:
             if not isinstance(mesh, ReplicaMesh):
@@ -235,10 +281,13 @@ class FGDiLoCo:
         self.topology = make_topology(topology, self.world_size, seed)
         topo2 = topology if isinstance(topology, Topology) else make_topology(name, self.world_size, seed + 1)
         health = PeerHealth()
+        secret = job_secret()
         self._mixer1 = Mixer("mix1", self.topology, transport, self.mix1_codec, self.mix1_rounds, self.fingerprint,
-                             self.timeout, offset=0, health=health, resync=True)
+                             self.timeout, offset=0, health=health, resync=True, secret=secret,
+                             max_ratio=MAX_RATIO)
         self._mixer2 = Mixer("mix2", topo2, transport, self.codec, self.mix2_rounds, self.fingerprint,
-                             self.timeout, offset=1, health=health)
+                             self.timeout, offset=1, health=health, secret=secret, max_ratio=MAX_RATIO)
+        self.authenticated = secret is not None
 
         with torch.no_grad():  # fp32 master copies: the outer step of a bf16 model runs in fp32
             self._theta0 = [p.detach().to(torch.float32, copy=True) for p in self.params]
@@ -250,9 +299,13 @@ class FGDiLoCo:
         self._paused_seconds = 0.0
         self.last_round: RoundStats | None = None
         self.failed_exchanges_total = 0
+        self.out_of_scale_total = 0
+        self._generation = 0
         self._hooks = [inner_optimizer.register_step_pre_hook(self._pre_step),
                        inner_optimizer.register_step_post_hook(self._post_step)]
         _LIVE.add(self)
+        if self.world_size > 1:
+            _install_sigterm_handler()
 
     @staticmethod
     def check_arguments(*, sync_every: int, outer_lr: float, outer_momentum: float, nesterov: bool,
@@ -300,6 +353,31 @@ class FGDiLoCo:
         return out
 
     # ------------------------------------------------------------------ set-up
+    def _count_held(self) -> int:
+        return sum(len(g["params"]) for g in self.inner_optimizer.param_groups)
+
+    def _unsynchronised(self) -> list[str]:
+        """Trainable parameters (``requires_grad``) of the model or the inner optimizer that are not synchronised
+        (added with ``add_param_group``, unfrozen, or never part of the model), by name or shape."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        out, seen = [], set()
+        candidates = [p for g in self.inner_optimizer.param_groups for p in g["params"]]
+        candidates += list(self.model.parameters())
+        for p in candidates:
+            if p.requires_grad and id(p) not in self._param_ids and id(p) not in seen:
+                seen.add(id(p))
+                out.append(names.get(id(p), f"<tensor of shape {tuple(p.shape)} not in model>"))
+        return out
+
+    def _check_parameters(self) -> None:
+        extra = self._unsynchronised()
+        if extra:
+            raise RuntimeError(
+                f"{len(extra)} trainable parameter(s) are not synchronised by FGDiLoCo ({', '.join(extra[:5])}): "
+                "a parameter added to the inner optimizer (add_param_group) or unfrozen after the wrapper was built "
+                "would train on this worker only. Build the wrapper after the model and inner optimizer are "
+                "complete, or freeze the parameter (requires_grad=False)")
+
     def _broadcast_from_rank0(self, transport: DistributedTransport) -> None:
         src = transport.global_ranks[0]
         with torch.no_grad():
@@ -356,6 +434,7 @@ class FGDiLoCo:
 
     def _start_round(self) -> None:
         """Round start: Mix1 of the round-start values in the background, and Mix2's exchanges set up."""
+        self._check_parameters()
         values, outer_round = self._mix1_values(), self._round
         self._mix1 = Background(lambda: self._run_mix1(values, outer_round), f"mix1-{outer_round}")
         self._mixer2.prepare(self._round)
@@ -365,6 +444,8 @@ class FGDiLoCo:
         return self._mixer1.run(values, outer_round)
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._count_held() != self._n_held:  # cheap: add_param_group is caught at the next step
+            self._check_parameters()
         if self._mix1 is None:
             if self._round_t0 is None:
                 self._round_t0 = time.perf_counter()
@@ -445,12 +526,16 @@ class FGDiLoCo:
             pseudo_gradient_relative=cons_d[1] if cons_d else None,
             momentum_distance=cons_m[0] if cons_m else None,
             failed_exchanges=mix1.failed + mix2.failed,
+            out_of_scale=mix1.out_of_scale + mix2.out_of_scale,
+            deadline_seconds=mix2.deadline,
+            mix1_deadline_seconds=mix1.deadline,
             resynced=mix1.resynced,
             mix1_peers=mix1.peers,
             mix2_peers=mix2.peers,
             errors=mix1.errors + mix2.errors,
         )
         self.failed_exchanges_total += stats.failed_exchanges
+        self.out_of_scale_total += stats.out_of_scale
         self.last_round = stats
         self._round += 1
         self._steps_in_round = 0
@@ -461,16 +546,20 @@ class FGDiLoCo:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue the same trajectory, except the model's weights (save
-        ``model.state_dict()`` beside it, as with any optimizer): inner optimizer state, fp32 outer momentum, the
-        fp32 round-start parameters, round and step counters, schedule seed and topology, codec states."""
+        """Everything needed to continue the same trajectory: inner optimizer state, fp32 outer momentum, the fp32
+        round-start parameters (``anchor``), the model's trainable parameters and buffers as they are now (so the
+        order of loading the model and building the wrapper does not matter, see :meth:`load_state_dict`), round
+        and step counters, schedule seed and topology, rank and world size, codec states."""
         return {
             "version": STATE_VERSION,
             "inner": self.inner_optimizer.state_dict(),
             "momentum": [m.detach().clone() for m in self._momentum],
             "anchor": [t.detach().clone() for t in self._theta0],
+            "params": [p.detach().clone() for p in self.params],
+            "buffers": {n: b.detach().clone() for n, b in self.model.named_buffers()},
             "round": self._round,
             "steps_in_round": self._steps_in_round,
+            "generation": self._generation,
             "sync_every": self.sync_every,
             "seed": self.seed,
             "topology": self.topology.name,
@@ -481,57 +570,182 @@ class FGDiLoCo:
             "mix1_codec": {"name": self.mix1_codec.name, "state": self.mix1_codec.state_dict()},
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`. Call it on every worker before the first step of the resumed run.
+    def _check_tensors(self, key: str, saved: Any, like: list[torch.Tensor], names: list[str]) -> None:
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(like):
+            n = len(saved) if isinstance(saved, (list, tuple)) else type(saved).__name__
+            raise ValueError(f"state dict {key!r} must be a list of {len(like)} tensors (one per trainable "
+                             f"parameter), got {n}")
+        for name, t, ref in zip(names, saved, like):
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                raise ValueError(f"state dict {key!r} entry for {name} must be a floating-point tensor, got "
+                                 f"{type(t).__name__ if not isinstance(t, torch.Tensor) else t.dtype}")
+            if tuple(t.shape) != tuple(ref.shape):
+                raise ValueError(f"state dict {key!r} entry for {name} has shape {tuple(t.shape)}, the model's "
+                                 f"parameter has {tuple(ref.shape)}")
 
-        A version-1 state (outer momentum as a ``torch.optim.SGD`` state) is converted.
-
-        Raises:
-            ValueError: a state of another version, model layout, codec or seed.
-        """
-        if not isinstance(state, dict) or state.get("version") not in (1, STATE_VERSION):
-            raise ValueError(f"not an FGDiLoCo state dict of version 1 or {STATE_VERSION}")
+    def _validate_state(self, state: Any) -> int:
+        """Check a state dict against this wrapper without changing anything; returns its version."""
+        if not isinstance(state, dict) or state.get("version") not in _STATE_KEYS_BY_VERSION:
+            got = f"version {state.get('version')!r}" if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"not an FGDiLoCo state dict of version {', '.join(map(str, _STATE_KEYS_BY_VERSION))} "
+                             f"(got {got})")
+        version = state["version"]
+        for key in _STATE_KEYS + _STATE_KEYS_BY_VERSION[version]:
+            if key not in state:
+                raise ValueError(f"state dict (version {version}) lacks the key {key!r}")
         if state["fingerprint"] != self.fingerprint:
             raise ValueError("state dict was saved for another model layout (parameter names, shapes or dtypes)")
+        for key in ("rank", "world_size"):
+            if state[key] != getattr(self, key):
+                raise ValueError(f"state dict was saved by {key}={state[key]!r}, this worker has {key}="
+                                 f"{getattr(self, key)}: load each worker's own state dict"
+                                 + (" into the same number of workers" if key == "world_size" else ""))
         for key, codec in (("codec", self.codec), ("mix1_codec", self.mix1_codec)):
-            if state[key]["name"] != codec.name:
-                raise ValueError(f"state dict was saved with {key}={state[key]['name']!r}, this run uses "
+            entry = state[key]
+            if not isinstance(entry, dict) or not isinstance(entry.get("state"), dict):
+                raise ValueError(f"state dict {key!r} must be a dict with 'name' and 'state'")
+            if entry.get("name") != codec.name:
+                raise ValueError(f"state dict was saved with {key}={entry.get('name')!r}, this run uses "
                                  f"{codec.name!r}")
         if state["seed"] != self.seed:
             raise ValueError(f"state dict was saved with seed={state['seed']}, this run uses seed={self.seed}; "
                              "the gossip schedule would change")
-        if state["version"] == 1:
+        if state["topology"] != self.topology.name:
+            raise ValueError(f"state dict was saved with topology={state['topology']!r}, this run uses "
+                             f"{self.topology.name!r}")
+        if not _is_int(state["round"]) or state["round"] < 0:
+            raise ValueError(f"state dict 'round' must be an int >= 0, got {state['round']!r}")
+        steps = state["steps_in_round"]
+        if not _is_int(steps) or not 0 <= steps < self.sync_every:
+            raise ValueError(f"state dict 'steps_in_round' must be an int in [0, sync_every={self.sync_every}), "
+                             f"got {steps!r}")
+        self._check_tensors("anchor", state["anchor"], self._theta0, self.param_names)
+        if version == 1:
+            outer = state["outer"]
+            if not isinstance(outer, dict) or not isinstance(outer.get("state"), dict):
+                raise ValueError("state dict 'outer' (version 1) must be a torch.optim.SGD state dict")
+            momentum = [outer["state"].get(i, {}).get("momentum_buffer") for i in range(len(self.params))]
+            momentum = [torch.zeros_like(t) if m is None else m for m, t in zip(momentum, self._theta0)]
+            self._check_tensors("outer", momentum, self._theta0, self.param_names)
+        else:
+            self._check_tensors("momentum", state["momentum"], self._theta0, self.param_names)
+        if version >= 3:
+            self._check_tensors("params", state["params"], self.params, self.param_names)
+            if not _is_int(state["generation"]) or state["generation"] < 0:
+                raise ValueError(f"state dict 'generation' must be an int >= 0, got {state['generation']!r}")
+            buffers, own = state["buffers"], dict(self.model.named_buffers())
+            if not isinstance(buffers, dict) or set(buffers) != set(own):
+                got = sorted(buffers) if isinstance(buffers, dict) else type(buffers).__name__
+                raise ValueError(f"state dict 'buffers' must hold the model's buffers {sorted(own)}, got {got}")
+            for n, b in buffers.items():
+                if not isinstance(b, torch.Tensor) or tuple(b.shape) != tuple(own[n].shape):
+                    raise ValueError(f"state dict buffer {n!r} must be a tensor of shape {tuple(own[n].shape)}")
+        inner = state["inner"]
+        if not isinstance(inner, dict) or not isinstance(inner.get("state"), dict) \
+                or not isinstance(inner.get("param_groups"), list):
+            raise ValueError("state dict 'inner' must be the inner optimizer's state_dict()")
+        sizes = [len(g.get("params", ())) if isinstance(g, dict) else -1 for g in inner["param_groups"]]
+        own_sizes = [len(g["params"]) for g in self.inner_optimizer.param_groups]
+        if sizes != own_sizes:
+            raise ValueError(f"state dict 'inner' has parameter groups of sizes {sizes}, the inner optimizer "
+                             f"{own_sizes}")
+        return version
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` on every worker, each its own (resume in new processes, or rewind a wrapper
+        that has already stepped).
+
+        Everything is checked before anything changes. The model's trainable parameters and buffers are restored
+        from the state dict, so both resume orders give the same trajectory: loading the model's weights before
+        building the wrapper (whose ``broadcast_init`` would otherwise overwrite them with rank 0's) or after.
+
+        The wrapper may have stepped already: a Mix1 in flight is waited for and dropped, Mix2's exchanges prepared
+        for the pre-load round are discarded (their peers are not left waiting), and the exchange keys move to a
+        new *generation* (``max(own, saved) + 1``), so the restarted rounds never meet the old rounds' keys in
+        the store. Workers that train together must load states of the same generation with the same history
+        (every worker of a resumed job loads, once): then they agree on it without talking.
+
+        States of version 1 and 2 (older formats, without the model's weights) are accepted with a warning; their
+        model weights are taken from the anchor when the state was saved at a round boundary
+        (``steps_in_round == 0``, where parameters equal the anchor), else left as they are (load the model's
+        weights after building the wrapper).
+
+        Raises:
+            ValueError: not a state dict of a known version, a missing key (named), another model layout, rank,
+                world size, codec, seed or topology, tensors of the wrong type or shape, or inner optimizer
+                parameter groups that do not match. Nothing has changed when it is raised.
+        """
+        version = self._validate_state(state)
+        if version < STATE_VERSION:
+            warnings.warn(f"FGDiLoCo state dict of an older format (version {version}, this build writes "
+                          f"{STATE_VERSION}) without the model's weights: "
+                          + ("the model's parameters are set from the saved round-start anchor" if
+                             state["steps_in_round"] == 0 else "load the model's weights after building the "
+                             "wrapper (broadcast_init overwrites them with rank 0's)"), stacklevel=2)
+        if version == 1:
             per = state["outer"]["state"]
             momentum = [per.get(i, {}).get("momentum_buffer") for i in range(len(self.params))]
             momentum = [torch.zeros_like(t) if m is None else m for m, t in zip(momentum, self._theta0)]
         else:
             momentum = state["momentum"]
+        # Things that can still fail on their own (codec and inner optimizer internals) go first, undone on failure.
+        backup = (self.codec.state_dict(), self.mix1_codec.state_dict(), self.inner_optimizer.state_dict())
+        try:
+            self.codec.load_state_dict(state["codec"]["state"])
+            self.mix1_codec.load_state_dict(state["mix1_codec"]["state"])
+            self.inner_optimizer.load_state_dict(state["inner"])
+        except Exception as e:
+            self.codec.load_state_dict(backup[0])
+            self.mix1_codec.load_state_dict(backup[1])
+            self.inner_optimizer.load_state_dict(backup[2])
+            raise ValueError(f"state dict's codec or inner optimizer state does not load: {type(e).__name__}: "
+                             f"{e}") from e
         if self._mix1 is not None:  # a Mix1 of the pre-load round may be in flight: let it end, then drop it
-            self._mix1.result()
+            with contextlib.suppress(Exception):
+                self._mix1.result()
             self._mix1 = None
-        self.inner_optimizer.load_state_dict(state["inner"])
+        self._mixer1.discard_prepared()
+        self._mixer2.discard_prepared()
+        self._generation = max(self._generation, int(state.get("generation", 0))) + 1
+        self._mixer1.generation = self._mixer2.generation = self._generation
         with torch.no_grad():
             self._theta0 = [saved.detach().to(device=t.device, dtype=torch.float32, copy=True)
                             for t, saved in zip(self._theta0, state["anchor"])]
             self._momentum = [saved.detach().to(device=t.device, dtype=torch.float32, copy=True)
                               for t, saved in zip(self._theta0, momentum)]
+            if version >= 3:
+                for p, saved in zip(self.params, state["params"]):
+                    p.copy_(saved)
+                own = dict(self.model.named_buffers())
+                for n, b in state["buffers"].items():
+                    own[n].copy_(b)
+            elif state["steps_in_round"] == 0:
+                for p, t in zip(self.params, self._theta0):
+                    p.copy_(t)
         self._round = int(state["round"])
         self._steps_in_round = int(state["steps_in_round"])
         self._round_t0 = None
         self._paused_seconds = 0.0
-        self.codec.load_state_dict(state["codec"]["state"])
-        self.mix1_codec.load_state_dict(state["mix1_codec"]["state"])
 
     def close(self) -> None:
-        """Wait for an in-flight Mix1 and the next round's prepared connections, remove the step hooks; the
+        """Leave the job: wait for an in-flight Mix1, discard the next round's prepared Mix2 exchanges (their peers
+        fail them at once), post a departure notice (every later exchange a peer attempts with this worker fails
+        at once instead of waiting for a deadline), release the transport and remove the step hooks; the
         wrapper cannot step afterwards.
 
-        Runs automatically at interpreter exit; call it yourself before ``destroy_process_group()``."""
+        Call it after the last round (or when the worker stops early, e.g. out of data, or on SIGTERM) and before
+        ``destroy_process_group()``; it also runs at interpreter exit."""
         if self._mix1 is not None:
-            self._mix1.result()
+            with contextlib.suppress(Exception):
+                self._mix1.result()
             self._mix1 = None
+        if self.transport is not None:
+            with contextlib.suppress(Exception):  # a store that is gone: peers find out through the heartbeat
+                self.transport.leave()
+            self._mixer1.discard_prepared()
+            self._mixer2.discard_prepared()
         if self._owns_transport and self.transport is not None:
-            self.transport.close()  # Mix2's pair groups prepared for a round that will not come
+            self.transport.close()
         for h in self._hooks:
             h.remove()
         self._hooks = []
