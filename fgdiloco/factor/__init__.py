@@ -8,6 +8,7 @@ from .quantize import Int8, dequantize_int8, quantize_int8
 from .subspace import (
     BoundaryIn,
     BoundaryOut,
+    SubspaceActivationCodec,
     SubspaceBasis,
     SubspaceCodec,
     SubspaceError,
@@ -26,6 +27,7 @@ __all__ = [
     "HEADER_SIZE",
     "Int8",
     "LowRank",
+    "SubspaceActivationCodec",
     "SubspaceBasis",
     "SubspaceCodec",
     "SubspaceError",

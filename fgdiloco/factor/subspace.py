@@ -20,7 +20,9 @@ This module holds the parts that do not depend on a model or a pipeline:
 * :func:`fixed_embedding`: ``E_fix``, seeded the same way;
 * :class:`SubspaceCodec`: ``compress`` / ``decompress`` / ``residual`` / ``wire_bytes`` and the autograd
   boundary pair ``boundary_out`` (sending stage: ``x → c``) and ``boundary_in`` (receiving stage: ``c → x``),
-  with :class:`BoundaryOut` / :class:`BoundaryIn` as modules for a stage's ``nn.Sequential``.
+  with :class:`BoundaryOut` / :class:`BoundaryIn` as modules for a stage's ``nn.Sequential``;
+* :class:`SubspaceActivationCodec`: that pair as a :class:`fgdiloco.pipeline.Pipeline` ``activation_codec``
+  (``needs_inputs``: every stage reads the token ids of the batch itself).
 
 Token ids. The receiving stage needs ``tokens`` to add ``E_fix[tokens]`` back. This codec does not send them: the
 design choice is that every stage reads the batch itself (the first stage needs the ids for the embedding, the last
@@ -43,6 +45,7 @@ __all__ = [
     "BoundaryIn",
     "BoundaryOut",
     "Residual",
+    "SubspaceActivationCodec",
     "SubspaceBasis",
     "SubspaceCodec",
     "SubspaceError",
@@ -543,3 +546,85 @@ class BoundaryIn(nn.Module):
 
     def forward(self, c: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         return self.codec.boundary_in(c, tokens)
+
+
+def _tokens_of(inputs: object) -> torch.Tensor:
+    tokens = inputs[0] if isinstance(inputs, (tuple, list)) and inputs else inputs
+    if not isinstance(tokens, torch.Tensor):
+        raise TypeError(f"the subspace activation codec needs the microbatch's token ids [b, T] as the pipeline's "
+                        f"inputs (Pipeline.step(idx, targets) on every stage), got {type(inputs).__name__}")
+    return tokens
+
+
+class SubspaceActivationCodec:
+    """:class:`SubspaceCodec` as the ``activation_codec`` of a :class:`fgdiloco.pipeline.Pipeline` (Subspace
+    Networks, Ramasinghe et al., arXiv 2506.01260).
+
+    ``encode(x, inputs=idx)`` on a sending stage is ``boundary_out``: ``x`` (``[b, T, d]``) → ``c`` (``[b, T, k]``)
+    goes on the wire; ``decode(c, inputs=idx)`` on the receiving stage is ``boundary_in``: ``c`` → ``x``. Backward,
+    ``∂L/∂c`` (``[b, T, k]``) travels back. Both directions carry ``b·T·k`` numbers of the activations' dtype per
+    microbatch and boundary (static shapes); ``U`` and ``E_fix`` stay on their stage and never travel.
+
+    Token ids: ``needs_inputs = True``, so every stage reads the batch's token ids itself (the pipeline passes
+    ``Pipeline.step(idx, targets)``'s ``idx`` to the codec on every stage, split into microbatches locally): no ids
+    cross a boundary. With ``check`` (default) ``encode`` raises :class:`SubspaceError` when the stream has left
+    ``E_fix[tokens] + span(U)`` by more than float rounding (a module writing outside the subspace); the check is
+    skipped while the pipeline infers shapes on uninitialised tensors
+    (:func:`fgdiloco.pipeline.codec.shape_inference`).
+
+    Args:
+        codec: the :class:`SubspaceCodec` (e.g. ``GPT.subspace_codec()`` or a stage's); or build one from
+            ``basis`` and ``token_embedding`` as :class:`SubspaceCodec` does (keywords ``check``, ``tol`` as there).
+
+    Raises:
+        TypeError: ``codec`` is not a :class:`SubspaceCodec`.
+    """
+
+    needs_inputs = True
+
+    def __init__(self, codec: SubspaceCodec):
+        if not isinstance(codec, SubspaceCodec):
+            raise TypeError(f"codec must be a SubspaceCodec, got {type(codec).__name__}")
+        self.codec = codec
+
+    @classmethod
+    def from_basis(cls, basis: SubspaceBasis | torch.Tensor, token_embedding: torch.Tensor, *, check: bool = True,
+                   tol: float | None = None) -> SubspaceActivationCodec:
+        """``SubspaceActivationCodec(SubspaceCodec(basis, token_embedding, check=check, tol=tol))``."""
+        return cls(SubspaceCodec(basis, token_embedding, check=check, tol=tol))
+
+    @property
+    def k(self) -> int:
+        return self.codec.k
+
+    @property
+    def d(self) -> int:
+        return self.codec.d
+
+    def encode(self, x: torch.Tensor, inputs: object = None) -> torch.Tensor:
+        """Sending stage: ``c = Uᵀ (x − E_fix[tokens])``, ``[b, T, k]`` (differentiable; see
+        :meth:`SubspaceCodec.boundary_out`). Raises :class:`SubspaceError` as described in the class docstring."""
+        from ..pipeline.codec import shape_inference
+
+        tokens = _tokens_of(inputs)
+        if self.codec.check and shape_inference():
+            return _BoundaryOut.apply(x, *self._u_e(x, tokens))
+        return self.codec.boundary_out(x, tokens)
+
+    def decode(self, c: torch.Tensor, inputs: object = None) -> torch.Tensor:
+        """Receiving stage: ``x = E_fix[tokens] + U c``, ``[b, T, d]`` (differentiable; backward gives the
+        ``∂L/∂c`` that is sent back)."""
+        return self.codec.boundary_in(c, _tokens_of(inputs))
+
+    def _u_e(self, x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.codec._check_x(x, tokens)
+        u, e = self.codec._tensors(x)
+        return u, F.embedding(tokens, e)
+
+    def wire_bytes(self, batch: int, seq: int, dtype: torch.dtype = torch.float32) -> WireBytes:
+        """What one boundary carries for a (micro)batch of ``batch × seq`` tokens (no token ids travel): see
+        :meth:`SubspaceCodec.wire_bytes`."""
+        return self.codec.wire_bytes(batch, seq, dtype)
+
+    def __repr__(self) -> str:
+        return f"SubspaceActivationCodec({self.codec!r})"

@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from ..mesh import ReplicaMesh
-from .codec import BoundaryModule, resolve_activation_codec
+from .codec import BoundaryModule, _inferring_shapes, needs_inputs, resolve_activation_codec
 
 __all__ = ["SCHEDULES", "Pipeline", "PipelineError", "PipelineStats"]
 
@@ -92,6 +92,20 @@ class _Stage(PipelineStage):
         super().__init__(*args, **kwargs)
         self.reset_counters()
         self.compute_failed = False
+        self.model_error: Exception | None = None
+
+    def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        # shapes are inferred on uninitialised tensors: codecs skip value checks (codec.shape_inference())
+        with _inferring_shapes():
+            return super()._forward_metadata_inference(*args, **kwargs)
+
+    def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
+        # torch wraps a forward error in a RuntimeError; keep the model's own exception to re-raise it unchanged
+        try:
+            return super().forward_maybe_with_nosync(*args, **kwargs)
+        except Exception as err:
+            self.model_error = err
+            raise
 
     def reset_counters(self) -> None:
         self.fwd_bytes = self.bwd_bytes = self.recv_bytes = 0
@@ -121,8 +135,11 @@ class _Stage(PipelineStage):
         t0 = time.perf_counter()
         try:
             return fn(*args, **kwargs)
-        except Exception:
+        except Exception as err:
             self.compute_failed = True
+            model_error, self.model_error = self.model_error, None
+            if model_error is not None and model_error is not err:
+                raise model_error from None  # the model's own error (e.g. SubspaceError), not torch's wrapper
             raise
         finally:
             self.compute_seconds += time.perf_counter() - t0
@@ -216,11 +233,13 @@ class Pipeline:
         self.is_first = mesh.stage == 0
         self.is_last = mesh.stage == mesh.stages - 1
         encode = decode = owner = None
+        self.codec_needs_inputs = codec is not None and needs_inputs(activation_codec)
         if codec is not None:
             encode, decode, owner = codec
             encode = None if self.is_last else encode
             decode = None if self.is_first else decode
-        self._runner = BoundaryModule(stage_module, encode, decode, owner)
+        self._runner = BoundaryModule(stage_module, encode, decode, owner, with_inputs=self.codec_needs_inputs,
+                                      first=self.is_first)
         self._stage = _Stage(self._runner, mesh.stage, mesh.stages, self.device, group=mesh.pipeline_group)
         self._schedule = SCHEDULES[schedule](self._stage, n_microbatches, loss_fn=self._scaled_loss,
                                              scale_grads=False)
@@ -250,25 +269,31 @@ class Pipeline:
         finally:
             self._stage.compute_seconds += time.perf_counter() - t0
 
-    def _check_batch(self, inputs: Any, target: Any) -> tuple[tuple[Any, ...], Any]:
+    def _check_batch(self, inputs: Any, target: Any) -> tuple[tuple[Any, ...], Any, dict[str, Any]]:
         if self._broken is not None:
             raise PipelineError(f"this pipeline is broken by an earlier failure: {self._broken}", self._broken.ranks)
         args: tuple[Any, ...] = ()
-        if self.is_first:
+        kwargs: dict[str, Any] = {}
+        if self.is_first or self.codec_needs_inputs:
             if inputs is None:
-                raise ValueError("inputs are required on the first stage")
+                raise ValueError("inputs are required on the first stage" if self.is_first else
+                                 "inputs are required on every stage: the activation codec reads them "
+                                 "(needs_inputs=True; e.g. the token ids of the subspace codec)")
             args = _as_tuple(inputs)
             for a in args:
                 if not isinstance(a, torch.Tensor) or a.dim() == 0 or a.shape[0] % self.n_microbatches:
                     raise ValueError(f"inputs must be tensors whose dim 0 (the batch) is divisible by "
                                      f"n_microbatches={self.n_microbatches}, got "
                                      f"{tuple(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__}")
+            if not self.is_first:  # read locally by the codec, split into microbatches like the inputs
+                kwargs = {"inputs": inputs}
+                args = ()
         bad_target = not isinstance(target, torch.Tensor) or target.dim() == 0 or target.shape[0] % self.n_microbatches
         if self.is_last and bad_target:
             raise ValueError(f"target must be a tensor whose dim 0 (the batch) is divisible by "
                              f"n_microbatches={self.n_microbatches} on the last stage, got "
                              f"{tuple(target.shape) if isinstance(target, torch.Tensor) else target!r}")
-        return args, (target if self.is_last else None)
+        return args, (target if self.is_last else None), kwargs
 
     def _missing_ranks(self) -> list[int]:
         """The stages of this replica that are gone, told apart from those that are alive but failed with us.
@@ -329,7 +354,8 @@ class Pipeline:
 
         Args:
             inputs: the batch's inputs, ``[B, ...]`` (a tensor or a tuple of tensors, B divisible by
-                ``n_microbatches``); used on the first stage, ignored elsewhere.
+                ``n_microbatches``); used on the first stage, and on every stage when the activation codec
+                ``needs_inputs`` (read locally, not sent); ignored elsewhere.
             target: the batch's targets, ``[B, ...]``; used on the last stage, ignored elsewhere.
 
         Returns:
@@ -341,11 +367,11 @@ class Pipeline:
             ValueError: missing inputs (first stage) or target (last stage), or a batch not divisible into
                 ``n_microbatches``.
         """
-        args, target = self._check_batch(inputs, target)
+        args, target, kwargs = self._check_batch(inputs, target)
         self._stage.reset_counters()
         losses: list[torch.Tensor] | None = [] if self.is_last else None
         t0 = time.perf_counter()
-        self._run(lambda: self._schedule.step(*args, target=target, losses=losses, return_outputs=False))
+        self._run(lambda: self._schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs))
         seconds = time.perf_counter() - t0
         s = self._stage
         compute = min(s.compute_seconds, seconds)
@@ -364,9 +390,9 @@ class Pipeline:
         """The batch's loss through the pipeline, forward only (no gradients, parameters untouched): for held-out
         evaluation. Same arguments, return value and errors as :meth:`step`. Collective over the replica's stages.
         Switching between :meth:`step` and :meth:`eval_loss` costs one small metadata exchange between stages."""
-        args, target = self._check_batch(inputs, target)
+        args, target, kwargs = self._check_batch(inputs, target)
         losses: list[torch.Tensor] | None = [] if self.is_last else None
-        self._run(lambda: self._schedule.eval(*args, target=target, losses=losses))
+        self._run(lambda: self._schedule.eval(*args, target=target, losses=losses, **kwargs))
         if losses is None:
             return None
         return torch.stack([loss.detach() for loss in losses]).sum()

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..factor.subspace import (
     Residual,
+    SubspaceActivationCodec,
     SubspaceBasis,
     SubspaceCodec,
     SubspaceError,
@@ -29,8 +30,10 @@ from ..factor.subspace import (
     orthonormal_basis,
 )
 
+SUBSPACE_HEADS = ("dense", "subspace")
+
 __all__ = ["GPT", "GPTConfig", "GPTStage", "SubspaceLinear", "SubspacePositionEmbedding", "SubspaceTiedHead",
-           "SubspaceTokenEmbedding", "lm_loss"]
+           "SubspaceTokenEmbedding", "activation_codec_for", "build_stage", "lm_loss"]
 
 
 @dataclass
@@ -182,7 +185,7 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.transformer.wpe.weight.numel() if non_embedding else n
 
-    def split(self, stages: int) -> list[GPTStage]:
+    def split(self, stages: int, *, subspace_head: str = "dense") -> list[GPTStage]:
         """This model as ``stages`` pipeline stages (for :class:`fgdiloco.pipeline.Pipeline`).
 
         Stage 0 holds the token and position embeddings and the first blocks, the last stage the last blocks, the
@@ -197,17 +200,33 @@ class GPT(nn.Module):
         does), a per-step collective across the pipeline that this example does not pay; both matrices are
         gossiped with their own stage. ``stages=1`` keeps the tie.
 
+        **Subspace models** (``subspace_rank=k``) split the same way: stage 0 holds ``E_fix + Z_tok Uᵀ`` and
+        ``U Z_pos``, every stage its blocks with ``W = U Z`` output projections, the last the head. Every stage
+        keeps its own copy of the fixed ``U`` and ``E_fix`` as buffers ``stage.U`` / ``stage.E_fix`` (identical
+        bits on every stage; shared by the stage's modules, never parameters), which its boundary codec uses
+        (:func:`activation_codec_for`): the stream crosses a boundary as ``c`` (``[B, T, k]``). The tie of the
+        head, untied for ``S > 1`` for the same reason as the plain model's (no per-step gradient sum between the
+        first and the last stage), is by default (``subspace_head="dense"``) a plain ``vocab × d`` linear map
+        initialised to the combined embedding ``E_fix + Z_tok Uᵀ`` (same logits at split time) and trained in all
+        d dimensions: the head only *reads* the residual stream, writing nothing into it, so the subspace need
+        not constrain it once the tie is broken. ``subspace_head="subspace"`` keeps the tied form's constraint
+        instead (:class:`SubspaceTiedHead` over the last stage's ``E_fix`` / ``U`` with its own copy of
+        ``Z_tok``: only ``vocab × k`` numbers train). ``stages=1`` keeps the tie (and the constraint).
+
         Args:
             stages: S, an int in ``[1, n_layer]``.
+            subspace_head: ``"dense"`` or ``"subspace"``: the last stage's head of a subspace model for S > 1
+                (see above; ignored for a plain model and for S = 1).
 
         Returns:
             ``S`` :class:`GPTStage` modules: stage 0 takes token ids ``[B, T]``, every other stage the residual
             stream ``[B, T, n_embd]`` (float32); the last returns logits ``[B, T, vocab_size]``, the others the
-            residual stream. Use :func:`lm_loss` as the pipeline's loss.
+            residual stream. Use :func:`lm_loss` as the pipeline's loss and :func:`activation_codec_for` as its
+            ``activation_codec`` (None for a plain model).
 
         Raises:
             TypeError: ``stages`` not an int.
-            ValueError: ``stages`` outside ``[1, n_layer]``.
+            ValueError: ``stages`` outside ``[1, n_layer]``, ``subspace_head`` not ``"dense"`` / ``"subspace"``.
         """
         if isinstance(stages, bool) or not isinstance(stages, int):
             raise TypeError(f"stages must be an int in [1, n_layer={self.config.n_layer}], got "
@@ -215,13 +234,19 @@ class GPT(nn.Module):
         if not 1 <= stages <= self.config.n_layer:
             raise ValueError(f"stages must be in [1, n_layer={self.config.n_layer}] (every stage holds at least "
                              f"one block), got {stages}")
+        if subspace_head not in SUBSPACE_HEADS:
+            raise ValueError(f"subspace_head must be one of {SUBSPACE_HEADS}, got {subspace_head!r}")
         per, extra = divmod(self.config.n_layer, stages)
         out, start = [], 0
         for s in range(stages):
             stop = start + per + (1 if s < extra else 0)
-            out.append(GPTStage(self, s, stages, range(start, stop)))
+            out.append(GPTStage(self, s, stages, range(start, stop), subspace_head=subspace_head))
             start = stop
         return out
+
+    def activation_codec(self, *, check: bool = True, tol: float | None = None) -> SubspaceActivationCodec | None:
+        """:func:`activation_codec_for` this model: the pipeline codec of its subspace, None for a plain model."""
+        return activation_codec_for(self, check=check, tol=tol)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -489,25 +514,55 @@ class GPTStage(nn.Module):
     """Stage ``index`` of ``stages`` of a :class:`GPT`, made by :meth:`GPT.split` (copies of its modules).
 
     Attributes: ``config``; ``layers`` (the global indices of the blocks held); ``wte``, ``wpe``, ``drop`` on the
-    first stage; ``ln_f``, ``lm_head`` on the last; ``h`` (the blocks) on every stage.
+    first stage; ``ln_f``, ``lm_head`` on the last; ``h`` (the blocks) on every stage; ``subspace_rank``,
+    ``subspace_seed`` (None / the model's), ``subspace_head`` (see :meth:`GPT.split`); for a subspace model the
+    buffers ``U`` (``n_embd × k``) and ``E_fix`` (``vocab_size × n_embd``), this stage's own copies, shared by its
+    modules.
     """
 
-    def __init__(self, model: GPT, index: int, stages: int, layers: range):
+    def __init__(self, model: GPT, index: int, stages: int, layers: range, *, subspace_head: str = "dense"):
         super().__init__()
         self.config = model.config
         self.index, self.stages, self.layers = index, stages, layers
         self.is_first, self.is_last = index == 0, index == stages - 1
+        self.subspace_rank, self.subspace_seed = model.subspace_rank, model.subspace_seed
+        self.subspace_head = subspace_head
         t = model.transformer
+        # one memo for the whole stage: tensors shared inside the model (U, E_fix, a tie) stay shared in the stage
+        memo: dict[int, object] = {}
+        if model.subspace_rank is not None:
+            wte = _require_subspace(model)
+            self.register_buffer("U", wte.U.detach().clone())
+            self.register_buffer("E_fix", wte.E_fix.detach().clone())
+            memo[id(wte.U)], memo[id(wte.E_fix)] = self.U, self.E_fix
         if self.is_first:
-            self.wte = copy.deepcopy(t.wte)
-            self.wpe = copy.deepcopy(t.wpe)
-            self.drop = copy.deepcopy(t.drop)
-        self.h = nn.ModuleList(copy.deepcopy(t.h[i]) for i in layers)
+            self.wte = copy.deepcopy(t.wte, memo)
+            self.wpe = copy.deepcopy(t.wpe, memo)
+            self.drop = copy.deepcopy(t.drop, memo)
+        self.h = nn.ModuleList(copy.deepcopy(t.h[i], memo) for i in layers)
         if self.is_last:
-            self.ln_f = copy.deepcopy(t.ln_f)
-            self.lm_head = copy.deepcopy(model.lm_head)
+            self.ln_f = copy.deepcopy(t.ln_f, memo)
+            if model.subspace_rank is not None and not self.is_first and subspace_head == "dense":
+                head = model.lm_head  # reads the stream, writes nothing into it: unconstrained once untied
+                self.lm_head = nn.utils.skip_init(nn.Linear, self.config.n_embd, self.config.vocab_size, bias=False,
+                                                  device=head.weight.device, dtype=head.weight.dtype)  # no RNG
+                with torch.no_grad():
+                    self.lm_head.weight.copy_(head.E_fix + head.weight @ head.U.T)
+            else:
+                self.lm_head = copy.deepcopy(model.lm_head, memo)
             if self.is_first:
                 self.wte.weight = self.lm_head.weight  # one stage: the tie is kept
+
+    def subspace_codec(self, *, check: bool = True, tol: float | None = None) -> SubspaceCodec:
+        """The :class:`~fgdiloco.factor.subspace.SubspaceCodec` over this stage's ``U`` / ``E_fix`` (not copied).
+
+        Raises:
+            RuntimeError: the stage is of a model built without ``subspace_rank``.
+        """
+        if self.subspace_rank is None:
+            raise RuntimeError("this stage is of a GPT built without subspace_rank: it has no residual-stream "
+                               "subspace (build it as GPT(config, subspace_rank=k))")
+        return SubspaceCodec(SubspaceBasis.from_tensor(self.U, self.subspace_seed), self.E_fix, check=check, tol=tol)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids ``[B, T]`` (first stage) or the residual stream ``[B, T, n_embd]`` -> the residual stream, or
@@ -525,4 +580,64 @@ class GPTStage(nn.Module):
         return x
 
     def extra_repr(self) -> str:
-        return f"stage {self.index} of {self.stages}, blocks {self.layers.start}..{self.layers.stop - 1}"
+        k = "" if self.subspace_rank is None else f", subspace_rank={self.subspace_rank}"
+        return f"stage {self.index} of {self.stages}, blocks {self.layers.start}..{self.layers.stop - 1}{k}"
+
+
+def activation_codec_for(model: GPT | GPTStage, *, check: bool = True, tol: float | None = None
+                         ) -> SubspaceActivationCodec | None:
+    """The :class:`~fgdiloco.pipeline.Pipeline` ``activation_codec`` for a :class:`GPT` or one of its
+    :class:`GPTStage` s: a :class:`~fgdiloco.factor.subspace.SubspaceActivationCodec` over its ``U`` / ``E_fix``
+    for a subspace model (``c``, ``[B, T, k]``, crosses each boundary forward, ``∂L/∂c`` backward; every stage
+    reads the token ids itself), ``None`` for a plain model (the stream ``[B, T, n_embd]`` travels as it is).
+    ``check`` / ``tol``: the out-of-subspace check at each sending boundary (see
+    :class:`~fgdiloco.factor.subspace.SubspaceCodec`). Use it on every stage of the pipeline, e.g.
+    ``Pipeline(stage, mesh, lm_loss, m, activation_codec=activation_codec_for(stage))``.
+
+    Raises:
+        TypeError: ``model`` is neither a :class:`GPT` nor a :class:`GPTStage`.
+    """
+    if isinstance(model, GPT):
+        return None if model.subspace_rank is None else SubspaceActivationCodec(model.subspace_codec(check=check,
+                                                                                                      tol=tol))
+    if isinstance(model, GPTStage):
+        return None if model.subspace_rank is None else SubspaceActivationCodec(model.subspace_codec(check=check,
+                                                                                                      tol=tol))
+    raise TypeError(f"model must be a GPT or a GPTStage, got {type(model).__name__}")
+
+
+def build_stage(config: GPTConfig, stages: int, stage: int, *, subspace_rank: int | None = None,
+                subspace_seed: int = 0, seed: int = 0, subspace_head: str = "dense") -> GPTStage:
+    """Stage ``stage`` of ``stages`` of the model ``torch.manual_seed(seed); GPT(config, subspace_rank,
+    subspace_seed)`` builds (:meth:`GPT.split`), with the global RNG left as it was: every rank that calls it with
+    the same arguments gets the stage of the same model, so the stages of a replica fit together. Pair it with
+    :func:`activation_codec_for` (``Pipeline(..., activation_codec=activation_codec_for(stage))``).
+
+    Args:
+        config: the model's sizes (:class:`GPTConfig`).
+        stages: S, an int in ``[1, n_layer]`` (1: the whole model as one stage, the tie kept).
+        stage: this rank's stage, an int in ``[0, S)`` (``ReplicaMesh.stage``).
+        subspace_rank, subspace_seed: as :class:`GPT` (None: the plain model).
+        seed: the seed of the parameters' initialisation (int >= 0).
+        subspace_head: the last stage's head of a subspace model, ``"dense"`` or ``"subspace"`` (:meth:`GPT.split`).
+
+    Raises:
+        TypeError, ValueError: an argument of the wrong type or out of range (before anything is built).
+    """
+    if not isinstance(config, GPTConfig):
+        raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
+    for name, value, high in (("stages", stages, config.n_layer), ("stage", stage, None), ("seed", seed, None)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if value < (1 if name == "stages" else 0) or (high is not None and value > high):
+            raise ValueError(f"{name} must be an int in [1, n_layer={config.n_layer}], got {value}"
+                             if name == "stages" else f"{name} must be an int >= 0, got {value}")
+    if stage >= stages:
+        raise ValueError(f"stage must be an int in [0, stages={stages}), got {stage}")
+    _check_subspace_args(config, subspace_rank, subspace_seed)
+    if subspace_head not in SUBSPACE_HEADS:
+        raise ValueError(f"subspace_head must be one of {SUBSPACE_HEADS}, got {subspace_head!r}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = GPT(config, subspace_rank=subspace_rank, subspace_seed=subspace_seed)
+        return model.split(stages, subspace_head=subspace_head)[stage]
