@@ -103,6 +103,11 @@ PRETRAIN_OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("model", "n_head", {"type": _positive_int, "help": "attention heads"}),
     ("model", "n_embd", {"type": _positive_int, "help": "model width"}),
     ("model", "dropout", {"type": float, "help": "dropout probability"}),
+    ("model", "subspace_rank",
+     {"type": _positive_int, "metavar": "K", "help": "GPT(subspace_rank=K): residual-stream writes through a fixed "
+                                                    "n_embd x K basis (Subspace Networks); with --stages > 1 each "
+                                                    "stage boundary sends K numbers per token instead of n_embd "
+                                                    "(default: the plain model)%(default).0s"}),
     ("data", "data", {"metavar": "PATH", "help": "UTF-8 text file or folder of .txt files (default: the bundled "
                                                  "public-domain corpus)%(default).0s"}),
     ("data", "tokenizer", {"choices": ["bpe", "bytes"],

@@ -149,3 +149,21 @@ def test_the_command_runs_two_replicas_of_two_stages(tmp_path):
     s = json.loads((out / "summary.json").read_text())
     assert s["final_eval_loss"] < s["initial_eval_loss"] and s["final_eval_loss"] < s["unigram_loss"]
     assert s["replicas"] == 2 and s["stages"] == 2 and s["activation_bytes_sent"] == 60 * B * T * D * 4
+
+
+# ------------------------------------------------------------------------------------------------ subspace
+def test_subspace_rank_is_checked():
+    with pytest.raises(ValueError, match=r"subspace_rank must be None or an integer in \[1, n_embd=32\]"):
+        TrainConfig(n_embd=32, n_head=2, subspace_rank=33).validate()
+    TrainConfig(n_embd=32, n_head=2, subspace_rank=32).validate()
+
+
+def test_subspace_stages_send_k_numbers_per_token_and_train(tmp_path):
+    k = 16
+    cfg = tiny(tmp_path, "subspace", subspace_rank=k)
+    run_ranks(_worker, 4, tmp_path, cfg, timeout=240)
+    s = _summary(cfg)
+    assert s["config"]["subspace_rank"] == k and s["stages"] == 2
+    # the boundary carries the stream's k subspace coefficients (fp32) each way: half of the plain model's bytes
+    assert s["activation_bytes_sent"] == 60 * B * T * k * 4
+    assert s["final_eval_loss"] < s["initial_eval_loss"] - 0.5 and s["final_eval_loss"] < s["unigram_loss"]

@@ -109,6 +109,9 @@ class TrainConfig:
     n_head: int = 4
     n_embd: int = 128
     dropout: float = 0.0
+    # subspace option (GPT(subspace_rank=k), Ramasinghe et al.): every write into the residual stream goes through
+    # a fixed d x k basis; with stages > 1 the stage boundaries send k numbers per token (the subspace codec)
+    subspace_rank: int | None = None
     # data
     data: str | None = None
     tokenizer: str = "bpe"
@@ -182,6 +185,10 @@ class TrainConfig:
                 raise ValueError(f"vocab_size must be <= 65535, got {self.vocab_size}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if self.subspace_rank is not None:
+            k = self.subspace_rank
+            if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.n_embd:
+                raise ValueError(f"subspace_rank must be None or an integer in [1, n_embd={self.n_embd}], got {k!r}")
         if self.workers % self.stages:
             raise ValueError(f"stages must divide workers (workers = replicas x stages), got stages={self.stages} "
                              f"for workers={self.workers}")
@@ -428,11 +435,11 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
 
     torch.manual_seed(cfg.seed)
     model = GPT(GPTConfig(vocab_size=vocab, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                          n_embd=cfg.n_embd, dropout=cfg.dropout))
+                          n_embd=cfg.n_embd, dropout=cfg.dropout), subspace_rank=cfg.subspace_rank)
     n_params = model.num_parameters(non_embedding=False)
     if mesh is not None:  # every rank builds the same seeded model and keeps its own stage
         from ..pipeline import Pipeline
-        from .model import lm_loss
+        from .model import activation_codec_for, lm_loss
 
         model = model.split(cfg.stages)[mesh.stage]
     inner = _adamw(model, cfg)
@@ -485,7 +492,9 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
                        mesh=mesh)
         step_opt = opt
         if mesh is not None:
-            pipe = Pipeline(model, mesh, lm_loss, n_microbatches=cfg.microbatches, schedule="1f1b")
+            # a subspace model's boundaries send its k coefficients per token (None: the stream as it is)
+            pipe = Pipeline(model, mesh, lm_loss, n_microbatches=cfg.microbatches, schedule="1f1b",
+                            activation_codec=activation_codec_for(model))
     tokens_per_step = cfg.batch_size * cfg.block_size * replicas
     # ring all-reduce: each worker sends 2 (M-1)/M of the gradient bytes (an estimate; Gloo picks its algorithm)
     ring = 2 * (world - 1) / world if world > 1 else 0.0
