@@ -67,7 +67,15 @@ def _choices(name: str) -> tuple[str, ...]:
 #: :class:`~fgdiloco.pretrain.worker.TrainConfig` field with dashes, the default is the field's default. A
 #: callable ``choices`` is resolved when the parser is built.
 PRETRAIN_OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
-    ("workers and synchronisation", "workers", {"type": _positive_int, "help": "worker processes (replicas) M"}),
+    ("workers and synchronisation", "workers",
+     {"type": _positive_int, "help": "worker processes M = replicas x stages"}),
+    ("workers and synchronisation", "stages",
+     {"type": _positive_int, "help": "pipeline stages S per replica (must divide --workers, at most --n-layer): "
+                                     "each replica is S workers holding GPT.split(S), run with the 1F1B schedule; "
+                                     "gossip mixes the same stage of the replicas"}),
+    ("workers and synchronisation", "microbatches",
+     {"type": _positive_int, "help": "microbatches per batch with --stages > 1 (must divide --batch-size, at "
+                                     "least --stages)"}),
     ("workers and synchronisation", "steps", {"type": _positive_int, "help": "inner optimizer steps per worker"}),
     ("workers and synchronisation", "sync_every", {"type": _positive_int, "help": "H: inner steps per outer round"}),
     ("workers and synchronisation", "topology", {"choices": lambda: _choices("TOPOLOGIES"),
@@ -95,6 +103,11 @@ PRETRAIN_OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("model", "n_head", {"type": _positive_int, "help": "attention heads"}),
     ("model", "n_embd", {"type": _positive_int, "help": "model width"}),
     ("model", "dropout", {"type": float, "help": "dropout probability"}),
+    ("model", "subspace_rank",
+     {"type": _positive_int, "metavar": "K", "help": "GPT(subspace_rank=K): residual-stream writes through a fixed "
+                                                    "n_embd x K basis (Subspace Networks); with --stages > 1 each "
+                                                    "stage boundary sends K numbers per token instead of n_embd "
+                                                    "(default: the plain model)%(default).0s"}),
     ("data", "data", {"metavar": "PATH", "help": "UTF-8 text file or folder of .txt files (default: the bundled "
                                                  "public-domain corpus)%(default).0s"}),
     ("data", "tokenizer", {"choices": ["bpe", "bytes"],
@@ -284,7 +297,10 @@ def run_pretrain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         display.warn(note)
     method = (f"{cfg.baseline} baseline" if cfg.baseline
               else f"Factored Gossip DiLoCo ({cfg.topology}, codec {cfg.codec})")
-    display.say(f"pretrain: {cfg.workers} workers x {cfg.steps} steps ({cfg.rounds} rounds of H = {cfg.sync_every}), "
+    shape = (f" ({cfg.replicas} replicas x {cfg.stages} stages, {cfg.microbatches} microbatches)"
+             if cfg.stages > 1 else "")
+    display.say(f"pretrain: {cfg.workers} workers{shape} x {cfg.steps} steps ({cfg.rounds} rounds of H = "
+                f"{cfg.sync_every}), "
                 f"{method}; data: {cfg.data or 'bundled corpus'} ({found['tokens']:,} tokens, vocabulary "
                 f"{found['vocab_size']}); out: {out}")
     try:
@@ -351,12 +367,18 @@ def _summary_text(s: dict[str, Any], out: Path, elapsed: float) -> str:
     lines = [
         f"[fgdiloco] done in {fmt_duration(elapsed)}:",
         f"  held-out loss   {s['initial_eval_loss']:.3f} -> {s['final_eval_loss']:.3f} nats/token "
-        f"(mean over workers {s['final_eval_loss_mean']:.3f}; unigram baseline {s['unigram_loss']:.3f})",
+        f"(mean over replicas {s['final_eval_loss_mean']:.3f}; unigram baseline {s['unigram_loss']:.3f})",
         f"  tokens          {s['tokens'] / 1e6:.2f}M in {s['train_seconds']:.1f} s of training: "
         f"{s['tokens_per_second']:,.0f} tokens/s, all workers, evaluation excluded "
         f"(set-up {s['setup_seconds']:.1f} s)",
         f"  utilisation     {util} of round time computing   sent {fmt_bytes(s['bytes_sent_per_worker'])} per "
         f"worker ({fmt_bytes(s['bytes_sent_all_workers'])} all workers)   failed exchanges {s['failed_exchanges']}",
+    ]
+    if s.get("stages", 1) > 1:
+        lines.append(f"  pipeline        {s['replicas']} replicas x {s['stages']} stages: activations sent "
+                     f"{fmt_bytes(s['activation_bytes_sent'])} per worker, bubble "
+                     f"{100 * (s['pipeline_bubble'] or 0.0):.1f}% of a step")
+    lines += [
         f"  outputs         {out}/: summary.json, metrics.jsonl, loss.png, run.json, logs/",
     ]
     return "\n".join(lines)

@@ -48,10 +48,11 @@ ROW_FIELDS: dict[str, str] = {
     "tokens": "tokens trained on so far, all workers together",
     "wall_seconds": "seconds since training started (s), evaluation included",
     "train_seconds": "seconds since training started (s), evaluation excluded",
-    "eval_loss": "held-out cross-entropy of rank 0's replica (nats/token)",
-    "eval_loss_mean": "held-out cross-entropy, mean over the workers' replicas (nats/token)",
-    "train_loss": "rank 0's mean training loss over this round's steps (nats/token)",
-    "train_loss_mean": "the same, mean over workers (nats/token)",
+    "eval_loss": "held-out cross-entropy of rank 0's replica (replica 0; with --stages, evaluated through its "
+                 "pipeline and read from its last stage) (nats/token)",
+    "eval_loss_mean": "held-out cross-entropy, mean over the replicas (nats/token)",
+    "train_loss": "replica 0's mean training loss over this round's steps (nats/token)",
+    "train_loss_mean": "the same, mean over replicas (nats/token)",
     "utilisation": "rank 0: fraction of this round's wall time spent computing, not blocked in communication",
     "utilisation_mean": "the same, mean over workers",
     "bytes_sent": "bytes rank 0 sent this round (FG-DiLoCo: Mix1 + Mix2 frames; baselines: ring estimate)",
@@ -68,6 +69,12 @@ ROW_FIELDS: dict[str, str] = {
                           "the peer changes every round; FGDiLoCo's RoundStats.consensus_distance)",
     "consensus_distance_mean": "the same, mean over workers that had a Mix1 peer",
     "failed_exchanges": "rank 0's failed gossip exchanges this round",
+    "activation_bytes_sent_per_worker_so_far": "--stages > 1 only: pipeline bytes each worker sent to its "
+                                               "neighbouring stages since the start (forward activations + "
+                                               "backward gradients, evaluation excluded), mean over workers",
+    "pipeline_bubble_so_far": "--stages > 1 only: fraction of a training step a stage waited for its neighbours "
+                              "(transfers included), mean over steps and workers (the first step after each "
+                              "evaluation holds the schedule's shape exchange); None in round 0",
 }
 
 #: The fields of ``summary.json`` whose meaning is not obvious from the name (also written into the file).
@@ -83,6 +90,14 @@ SUMMARY_FIELDS: dict[str, str] = {
     "train_seconds": "wall_seconds without evaluation",
     "setup_seconds": "seconds a worker spent before its first step (data, model, process group)",
     "tokens_per_second": "tokens / train_seconds, all workers together",
+    "replicas": "model replicas R = workers / stages: each one pipeline of `stages` workers; gossip mixes the R "
+                "copies of each stage",
+    "stages": "pipeline stages per replica S (1: each worker holds the whole model)",
+    "activation_bytes_sent": "bytes each worker sent to its neighbouring pipeline stages over the run (forward "
+                             "activations + backward gradients of the training steps), mean over workers; 0 with "
+                             "one stage",
+    "pipeline_bubble": "fraction of a training step a stage waits for its neighbours (transfers included), mean "
+                       "over steps and workers; None with one stage",
     "utilisation": "fraction of round wall time spent computing, not blocked in communication; mean over "
                    "workers and rounds (DDP: blocked = backward's wait for the last gradient bucket)",
     "bytes_sent_per_worker": "bytes each worker sent over the run, mean over workers (FG-DiLoCo: Mix1 + Mix2 "
@@ -129,11 +144,14 @@ def summarise(info: dict[str, Any], rows: list[dict[str, Any]], *, interrupted: 
     train_s = float(last.get("train_seconds", 0.0))
     bytes_w = float(last.get("bytes_sent_per_worker_so_far") or 0.0)
     workers = int(info["workers"])
+    stages = int(info.get("stages", 1))
     summary: dict[str, Any] = {
         "run_id": info.get("run_id"),
         "method": info["method"],
         "interrupted": interrupted,
         "workers": workers,
+        "replicas": int(info.get("replicas", workers // stages)),
+        "stages": stages,
         "rounds": int(last.get("round", 0)),
         "rounds_planned": info["rounds_planned"],
         "steps": int(last.get("step", 0)),
@@ -153,6 +171,8 @@ def summarise(info: dict[str, Any], rows: list[dict[str, Any]], *, interrupted: 
         "bytes_sent_per_worker": bytes_w,
         "bytes_sent_all_workers": bytes_w * workers,
         "failed_exchanges": int(last.get("failed_exchanges_so_far") or 0),
+        "activation_bytes_sent": float(last.get("activation_bytes_sent_per_worker_so_far") or 0.0),
+        "pipeline_bubble": last.get("pipeline_bubble_so_far"),
         "stopped_early": int(last.get("step", 0)) < info["steps_planned"],
         "params": info["params"],
         "vocab_size": info["vocab_size"],

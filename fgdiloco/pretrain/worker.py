@@ -79,8 +79,11 @@ class TrainConfig:
     reason (``fgdiloco pretrain --help`` shows them).
     """
 
-    # workers and the outer loop
+    # workers and the outer loop (workers = replicas x stages; stages > 1: each replica is a pipeline of that many
+    # workers, running microbatches per batch with the 1F1B schedule)
     workers: int = 4
+    stages: int = 1
+    microbatches: int = 4
     steps: int = 240
     sync_every: int = 20
     topology: str = library_default("outer.FGDiLoCo", "topology")
@@ -106,6 +109,9 @@ class TrainConfig:
     n_head: int = 4
     n_embd: int = 128
     dropout: float = 0.0
+    # subspace option (GPT(subspace_rank=k), Ramasinghe et al.): every write into the residual stream goes through
+    # a fixed d x k basis; with stages > 1 the stage boundaries send k numbers per token (the subspace codec)
+    subspace_rank: int | None = None
     # data
     data: str | None = None
     tokenizer: str = "bpe"
@@ -148,10 +154,10 @@ class TrainConfig:
                 rng = f"{'[' if low_ok else '('}{low}, {high if high is not None else 'inf'})"
                 raise ValueError(f"{name} must be a number in {rng}, got {v!r}")
 
-        for name, minimum in (("workers", 1), ("steps", 1), ("sync_every", 1), ("mix1_rounds", 0),
-                              ("mix2_rounds", 0), ("rank", 1), ("warmup_steps", 0), ("batch_size", 1),
-                              ("block_size", 2), ("n_layer", 1), ("n_head", 1), ("n_embd", 1), ("eval_every", 1),
-                              ("eval_batches", 1), ("seed", 0)):
+        for name, minimum in (("workers", 1), ("stages", 1), ("microbatches", 1), ("steps", 1), ("sync_every", 1),
+                              ("mix1_rounds", 0), ("mix2_rounds", 0), ("rank", 1), ("warmup_steps", 0),
+                              ("batch_size", 1), ("block_size", 2), ("n_layer", 1), ("n_head", 1), ("n_embd", 1),
+                              ("eval_every", 1), ("eval_batches", 1), ("seed", 0)):
             count(name, minimum)
         number("outer_lr", 0.0)
         number("outer_momentum", 0.0, 1.0, low_ok=True)
@@ -179,10 +185,35 @@ class TrainConfig:
                 raise ValueError(f"vocab_size must be <= 65535, got {self.vocab_size}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if self.subspace_rank is not None:
+            k = self.subspace_rank
+            if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.n_embd:
+                raise ValueError(f"subspace_rank must be None or an integer in [1, n_embd={self.n_embd}], got {k!r}")
+        if self.workers % self.stages:
+            raise ValueError(f"stages must divide workers (workers = replicas x stages), got stages={self.stages} "
+                             f"for workers={self.workers}")
+        if self.stages > self.n_layer:
+            raise ValueError(f"stages must be <= n_layer={self.n_layer} (every stage holds at least one block), "
+                             f"got {self.stages}")
+        if self.stages > 1:
+            if self.baseline is not None:
+                raise ValueError(f"baseline {self.baseline!r} trains one whole model per worker; it cannot be "
+                                 f"combined with stages={self.stages} (pipeline stages need FG-DiLoCo)")
+            if self.batch_size % self.microbatches:
+                raise ValueError(f"microbatches must divide batch_size={self.batch_size} (every microbatch holds "
+                                 f"the same number of sequences), got {self.microbatches}")
+            if self.microbatches < self.stages:
+                raise ValueError(f"microbatches must be >= stages={self.stages} for the 1F1B schedule, got "
+                                 f"{self.microbatches}")
         if self.data is not None and not Path(self.data).expanduser().exists():
             raise FileNotFoundError(f"--data {self.data!r} does not exist (give a UTF-8 text file or a folder of "
                                     ".txt files)")
         return self
+
+    @property
+    def replicas(self) -> int:
+        """Model replicas R = ``workers / stages`` (each one pipeline of ``stages`` workers)."""
+        return self.workers // self.stages
 
     @property
     def rounds(self) -> int:
@@ -332,6 +363,34 @@ def _evaluate(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Te
     return total / len(batches)
 
 
+def _evaluate_pipeline(pipe: Any, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Held-out loss through the replica's pipeline (collective over its stages): the mean over ``batches`` on the
+    last stage, 0.0 on the others (they hold no loss)."""
+    was_training = pipe.module.training
+    pipe.module.eval()
+    losses = [pipe.eval_loss(x, y) for x, y in batches]
+    pipe.module.train(was_training)
+    if losses[0] is None:
+        return 0.0
+    return sum(float(v) for v in losses) / len(batches)
+
+
+def batch_seed(cfg: TrainConfig, replica: int) -> int:
+    """Seed of the training batches of ``replica``: every stage of a replica draws the same batches (stage 0 uses
+    the inputs, the last stage the targets), and replica r draws what worker r of a one-stage run draws."""
+    return cfg.seed * 100_003 + replica + 1
+
+
+def _clip_pipeline_grads(params: list[torch.Tensor], max_norm: float, group: Any) -> None:
+    """Clip by the gradient norm of the whole replica (all its stages), as ``clip_grad_norm_`` does for the unsplit
+    model: one all-reduce of the squared stage norms over the pipeline group."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    sq = (norm.double() ** 2).reshape(1)
+    dist.all_reduce(sq, group=group)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, sq.sqrt().to(norm.dtype)[0])
+
+
 # ---------------------------------------------------------------------------------------------------- the worker
 def train_worker(cfg: TrainConfig) -> dict[str, Any]:
     """Run one worker of a pretraining job and return the run summary (complete on rank 0).
@@ -361,13 +420,32 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     train, val, vocab = data["train"], data["val"], data["vocab_size"]
     unigram = unigram_loss(train, val, vocab)
 
+    mesh = pipe = None
+    if cfg.stages > 1:
+        if world % cfg.stages:
+            raise ValueError(f"stages={cfg.stages} must divide the world size {world} (workers = replicas x stages)")
+        from ..mesh import ReplicaMesh
+
+        mesh = ReplicaMesh(world // cfg.stages, cfg.stages, timeout=cfg.timeout)
+    replicas = world // cfg.stages
+    replica = mesh.replica if mesh is not None else rank
+    # the ranks holding a loss (the last stage of each replica), and the one whose loss the rows report
+    has_loss = mesh is None or mesh.is_last_stage
+    reporter = has_loss and replica == 0
+
     torch.manual_seed(cfg.seed)
     model = GPT(GPTConfig(vocab_size=vocab, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                          n_embd=cfg.n_embd, dropout=cfg.dropout))
+                          n_embd=cfg.n_embd, dropout=cfg.dropout), subspace_rank=cfg.subspace_rank)
+    n_params = model.num_parameters(non_embedding=False)
+    if mesh is not None:  # every rank builds the same seeded model and keeps its own stage
+        from ..pipeline import Pipeline
+        from .model import activation_codec_for, lm_loss
+
+        model = model.split(cfg.stages)[mesh.stage]
     inner = _adamw(model, cfg)
     eval_gen = torch.Generator().manual_seed(cfg.seed + 7919)
     eval_set = [sample_batch(val, cfg.batch_size, cfg.block_size, eval_gen) for _ in range(cfg.eval_batches)]
-    batch_gen = torch.Generator().manual_seed(cfg.seed * 100_003 + rank + 1)
+    batch_gen = torch.Generator().manual_seed(batch_seed(cfg, replica))
 
     ddp = cfg.baseline == "ddp"
     localsgd = cfg.baseline == "localsgd"
@@ -410,15 +488,21 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
         train_model = model
         opt = FGDiLoCo(model, inner, sync_every=cfg.sync_every, outer_lr=cfg.outer_lr,
                        outer_momentum=cfg.outer_momentum, topology=cfg.topology, mix1_rounds=cfg.mix1_rounds,
-                       mix2_rounds=cfg.mix2_rounds, codec=make_codec(cfg), timeout=cfg.timeout, seed=cfg.seed)
+                       mix2_rounds=cfg.mix2_rounds, codec=make_codec(cfg), timeout=cfg.timeout, seed=cfg.seed,
+                       mesh=mesh)
         step_opt = opt
-    n_params = model.num_parameters(non_embedding=False)
-    tokens_per_step = cfg.batch_size * cfg.block_size * world
+        if mesh is not None:
+            # a subspace model's boundaries send its k coefficients per token (None: the stream as it is)
+            pipe = Pipeline(model, mesh, lm_loss, n_microbatches=cfg.microbatches, schedule="1f1b",
+                            activation_codec=activation_codec_for(model))
+    tokens_per_step = cfg.batch_size * cfg.block_size * replicas
     # ring all-reduce: each worker sends 2 (M-1)/M of the gradient bytes (an estimate; Gloo picks its algorithm)
     ring = 2 * (world - 1) / world if world > 1 else 0.0
 
     title = ({"ddp": "DDP baseline", "localsgd": "local SGD baseline (PeriodicModelAverager)"}.get(
-                 cfg.baseline or "", "Factored Gossip DiLoCo") + f": {world} workers, {cfg.steps} steps"
+                 cfg.baseline or "", "Factored Gossip DiLoCo")
+             + (f": {replicas} replicas x {cfg.stages} stages" if mesh is not None else f": {world} workers")
+             + f", {cfg.steps} steps"
              + ("" if ddp else f", H={cfg.sync_every}" if localsgd else
                 f", H={cfg.sync_every}, {cfg.topology}, codec {cfg.codec}")
              + f", {n_params / 1e6:.2f}M params")
@@ -427,6 +511,8 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
         "run_id": cfg.run_id or uuid.uuid4().hex[:12],
         "method": cfg.baseline or "fgdiloco",
         "workers": world,
+        "replicas": replicas,
+        "stages": cfg.stages,
         "rounds_planned": cfg.rounds,
         "steps_planned": cfg.steps,
         "tokens_per_step": tokens_per_step,
@@ -453,7 +539,11 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     net0 = _net_bytes() if cfg.net_counters else (0.0, 0.0)
     t_start = time.perf_counter()
     t_round = t_start  # baselines: start of the current round (evaluation excluded)
+    bubble_sum = 0.0  # pipeline: sum of the steps' bubble fractions
     deferred: list[tuple[dict[str, Any], dict[str, torch.Tensor]]] = []
+
+    def evaluate() -> float:
+        return _evaluate(model, eval_set) if pipe is None else _evaluate_pipeline(pipe, eval_set)
 
     def record(step: int, rnd: int, train_loss: float | None, stats: Any, bytes_round: float | None) -> None:
         with opt.paused() if opt is not None else contextlib.nullcontext():  # evaluation is not training time
@@ -465,15 +555,22 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
         wall = t0 - t_start
         net = _net_bytes() if cfg.net_counters else (0.0, 0.0)
         over = cfg.max_seconds is not None and wall - eval_seconds >= cfg.max_seconds
-        loss = float("nan") if cfg.eval_deferred else _evaluate(model, eval_set)
+        loss = float("nan") if cfg.eval_deferred else evaluate()
         util = stats["utilisation"] if stats else None
         cons = stats["consensus_distance"] if stats else None
         local = [loss, train_loss if train_loss is not None else 0.0, util if util is not None else 0.0,
                  bytes_round or 0.0, cons if cons is not None else 0.0, 1.0 if cons is not None else 0.0,
                  net[0] - net0[0], net[1] - net0[1], 1.0 if over else 0.0, bytes_total,
                  util_sum / util_n if util_n else 0.0, float(failed_total)]
+        if mesh is not None:  # only the last stages hold losses; replica 0's comes from its last stage
+            local[0] = loss if has_loss else 0.0
+            local[1] = train_loss if has_loss and train_loss is not None else 0.0
+            local += [loss if reporter else 0.0, train_loss if reporter and train_loss is not None else 0.0,
+                      float(pipe.activation_bytes_sent_total), bubble_sum / pipe.steps if pipe.steps else 0.0]
         s = _all_sum(local, world)  # after the round: costs no round time (subtracted below)
         stop = s[8] > 0  # any rank past max_seconds: all stop after this round
+        if mesh is not None:
+            loss, train_loss = s[12], (s[13] if train_loss is not None else None)
         row = {
             "step": step,
             "round": rnd,
@@ -481,9 +578,9 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
             "wall_seconds": wall,
             "train_seconds": wall - eval_seconds,
             "eval_loss": loss,
-            "eval_loss_mean": s[0] / world,
+            "eval_loss_mean": s[0] / replicas,
             "train_loss": train_loss,
-            "train_loss_mean": s[1] / world if train_loss is not None else None,
+            "train_loss_mean": s[1] / replicas if train_loss is not None else None,
             "utilisation": util,
             "utilisation_mean": s[2] / world if util is not None else None,
             "bytes_sent": bytes_round,
@@ -499,6 +596,9 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
             "consensus_distance_mean": s[4] / s[5] if s[5] else None,
             "failed_exchanges": stats["failed_exchanges"] if stats else None,
         }
+        if mesh is not None:
+            row.update(activation_bytes_sent_per_worker_so_far=s[14] / world,
+                       pipeline_bubble_so_far=s[15] / world if step > 0 else None)
         if cfg.net_counters:  # bytes on this worker's interface since training started (headers included)
             row.update(net_tx_bytes=net[0] - net0[0], net_rx_bytes=net[1] - net0[1], net_tx_bytes_mean=s[6] / world,
                        net_rx_bytes_mean=s[7] / world)
@@ -519,11 +619,17 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
             for g in inner.param_groups:
                 g["lr"] = _lr_at(cfg, step)
             x, y = sample_batch(train, cfg.batch_size, cfg.block_size, batch_gen)
-            _, loss = train_model(x, y)
-            loss.backward()
+            if pipe is not None:  # forward + backward of the replica's batch through its stages
+                loss = pipe.step(x, y)
+                bubble_sum += pipe.last_step.bubble
+                if cfg.grad_clip > 0:
+                    _clip_pipeline_grads(list(model.parameters()), cfg.grad_clip, mesh.pipeline_group)
+            else:
+                _, loss = train_model(x, y)
+                loss.backward()
             if ddp and world > 1:  # backward() returned when the last bucket's all-reduce did
                 blocked_round += time.perf_counter() - bucket_ready[0]
-            if cfg.grad_clip > 0:
+            if cfg.grad_clip > 0 and pipe is None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             step_opt.step()
             if averager is not None:  # before zero_grad: PeriodicModelAverager averages parameters with a .grad
@@ -534,7 +640,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
                 averager.average_parameters(model.parameters())
                 blocked_round += time.perf_counter() - t_avg
             step_opt.zero_grad(set_to_none=True)
-            round_losses.append(loss.item())
+            round_losses.append(loss.item() if loss is not None else 0.0)  # 0.0: a stage without the loss
             steps_done = step + 1
             last = step + 1 == cfg.steps
             if baseline:
@@ -578,8 +684,13 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
             live = {k: v.detach().clone() for k, v in model.state_dict().items()}
             for row, weights in deferred:
                 model.load_state_dict(weights)
-                row["eval_loss"] = _evaluate(model, eval_set)
-                row["eval_loss_mean"] = _all_sum([row["eval_loss"]], world)[0] / world
+                if mesh is None:
+                    row["eval_loss"] = _evaluate(model, eval_set)
+                    row["eval_loss_mean"] = _all_sum([row["eval_loss"]], world)[0] / world
+                else:
+                    v = _evaluate_pipeline(pipe, eval_set)
+                    mean, mine = _all_sum([v if has_loss else 0.0, v if reporter else 0.0], world)
+                    row["eval_loss"], row["eval_loss_mean"] = mine, mean / replicas
                 rec.write(row)
             model.load_state_dict(live)
             eval_seconds += time.perf_counter() - t0
