@@ -623,9 +623,9 @@ def test_bundled_corpus_is_packaged():
 
 def test_the_memory_estimate_brackets_the_measured_default_worker():
     # measured here (torch 2.13 CPU): a default worker (4 x 128 GPT, batch 16 x 128, 742 k tokens) peaked at
-    # 665 MiB resident; the estimate may be above it, not below, and not far above
+    # 719 MiB resident; the estimate may be above it, not below, and not far above
     est = estimate_worker_bytes(TrainConfig(), 2048, 742_256) / 2**20
-    assert 665 < est < 1.25 * 665
+    assert 719 < est < 1.25 * 719
 
 
 def test_the_display_shows_a_bar_on_a_terminal_and_plain_lines_elsewhere():

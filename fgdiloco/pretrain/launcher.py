@@ -47,14 +47,15 @@ __all__ = [
 ]
 
 #: Resident memory of a worker before its model: Python, torch, numpy, tokenizers and a Gloo group.
-WORKER_BASE_BYTES = 330 * 2**20
+WORKER_BASE_BYTES = 410 * 2**20
 #: fp32 copies of the parameters a worker holds: weights, gradients, AdamW's two moments, FG-DiLoCo's
 #: round-start snapshot, outer momentum, Mix1 / Mix2 buffers and the codec's error feedback, rounded up.
 PARAM_COPIES = 12
 #: Factor on the counted model, activation and token bytes for what the count misses (temporaries of the
-#: backward pass, allocator slack). With it the estimate is 5-10 % above the peak ``ru_maxrss`` measured here
-#: (torch 2.13 CPU): 325 MiB for a 1-layer, 32-wide model (estimate 338 MiB); 665 MiB for the default
-#: 4-layer, 128-wide model with batch 16 x 128 (estimate 730 MiB).
+#: backward pass, allocator slack). With it the estimate is 1-13 % above the peak ``ru_maxrss`` measured here
+#: (torch 2.13 CPU, with the pipeline, mesh and heartbeat code loaded): 415 MiB for a 1-layer, 32-wide model
+#: (estimate about 418 MiB); 719 MiB for the default 4-layer, 128-wide model with batch 16 x 128 (estimate
+#: about 810 MiB).
 MODEL_SLACK = 2.0
 
 
