@@ -329,7 +329,17 @@ def _launched_worker(cfg: TrainConfig) -> dict[str, Any]:
                 os.dup2(log_fd, fd)
 
     atexit.register(keep_in_log)
+    signal.signal(signal.SIGINT, _interrupt_once)
     return train_worker(cfg)
+
+
+def _interrupt_once(signum: int, frame: Any) -> None:
+    """A worker's SIGINT handler: the first SIGINT (Ctrl-C reaches the whole process group) stops training with
+    KeyboardInterrupt; later ones are ignored. The worker is already stopping by then, and a second SIGINT can
+    come after its function has returned and torchelastic has pointed stderr back at the terminal (the spawn
+    wrapper's parent-death signal is SIGINT), where it would print a bare ``KeyboardInterrupt`` traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 def launch(cfg: TrainConfig, *, on_row: Callable[[dict[str, Any]], Any] | None = None,
