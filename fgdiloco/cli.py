@@ -423,6 +423,83 @@ def run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     return EXIT_INTERRUPTED
 
 
+# ---------------------------------------------------------------------------------------------------- elastic jobs
+def add_elastic_parsers(subparsers: Any) -> None:
+    """Add ``store`` and ``launch`` (the elastic job's gossip store and its launcher, :mod:`fgdiloco.elastic`)."""
+    p = subparsers.add_parser(
+        "store", help="serve an elastic job's gossip store (a TCPStore no worker hosts) until stopped",
+        description="Serve the gossip store of an elastic job: workers anywhere reach it with "
+                    "FGDILOCO_STORE=HOST:PORT. Stop it with Ctrl-C.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--host", default="0.0.0.0", help="interface to listen on")
+    p.add_argument("--port", type=int, default=29400, help="TCP port (0: one the OS picks)")
+    p.set_defaults(func=run_store, subparser=p)
+
+    p = subparsers.add_parser(
+        "launch", help="run a training script as an elastic job: one torchrun job per worker, with restarts",
+        description="Run SCRIPT as an elastic FG-DiLoCo job: every worker is its own single-process torchrun job "
+                    "with --max-restarts, and all meet on a gossip store this command serves (or --store). A "
+                    "worker's death, hang or restart never stops another. The script builds "
+                    "FGDiLoCo(..., elastic=True).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--workers", type=int, default=2, help="workers to start here")
+    p.add_argument("--max-restarts", type=int, default=3, help="restarts of each worker before it is given up")
+    p.add_argument("--store", default=None, help="HOST:PORT of a running gossip store (default: serve one here)")
+    p.add_argument("--slots", type=int, default=None,
+                   help="the job's worker slots (default: first-worker + workers; more leaves room to join)")
+    p.add_argument("--first-worker", type=int, default=0, help="slot of the first worker started here")
+    p.add_argument("--job", default=None, help="the job's name on the store (several jobs may share one)")
+    p.add_argument("--log-dir", default=None, help="write worker k's output to LOG_DIR/worker<k>.log")
+    p.add_argument("script", nargs=argparse.REMAINDER, help="train.py [ARGS] or -m MODULE [ARGS]")
+    p.set_defaults(func=run_launch, subparser=p)
+
+
+def run_store(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import signal
+    import threading
+
+    from .elastic import GossipStore
+
+    try:
+        store = GossipStore(args.host, args.port)
+    except (ValueError, RuntimeError) as e:
+        print(f"{parser.prog}: error: cannot serve on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 2
+    print(f"[fgdiloco] gossip store on {args.host}:{store.port}: set FGDILOCO_STORE=<this host>:{store.port} "
+          "for the workers; Ctrl-C stops it", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with contextlib.suppress(KeyboardInterrupt):
+        stop.wait()
+    store.close()
+    return 0
+
+
+def run_launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .elastic import launch
+
+    script = args.script[1:] if args.script[:1] == ["--"] else args.script
+    try:
+        failed = launch(script, args.workers, max_restarts=args.max_restarts, store=args.store, slots=args.slots,
+                        first_worker=args.first_worker, job=args.job, log_dir=args.log_dir)
+    except ValueError as e:
+        print(f"{parser.prog}: error: {_as_flag(str(e))}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("[fgdiloco] launch interrupted: stopped the workers", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    if failed:
+        print(f"[fgdiloco] launch: {failed} worker(s) failed for good (see their logs)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _as_flag(message: str) -> str:
+    """``"max_restarts must be ..."`` -> ``"--max-restarts must be ..."``."""
+    head, _, rest = message.partition(" ")
+    return f"--{head.replace('_', '-')} {rest}" if head.isidentifier() else message
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -431,6 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     add_pretrain_parser(sub)
     add_simulate_parser(sub)
+    add_elastic_parsers(sub)
     return parser
 
 

@@ -57,7 +57,7 @@ import torch
 from ..factor.codec import Codec, CodecError, PairOutcome
 from ..factor.frame import FrameError, decode_frame, encode_frame
 from .topology import GROUP, IDLE, PAIR, Topology
-from .transport import Background, ExchangeError, PeerDeclined, PeerLeft, Transport
+from .transport import Background, ExchangeError, PeerDeclined, Transport, gone_error
 
 __all__ = ["MixResult", "Mixer", "PeerHealth", "pair_round_in_process"]
 
@@ -240,11 +240,25 @@ class Mixer:
         for k in range(self.rounds):
             idx = self.schedule_index(outer_round, k)
             step = self.topology.step(self.transport.rank, idx)
+            if step.kind == PAIR:
+                self._returned(step.peer)  # a peer back as a new process is prepared for again
             if step.kind == PAIR and not self.health.skip(step.peer, outer_round) \
                     and not self.transport.has_left(step.peer):
                 key = self._key(idx)
                 self.transport.prepare(step.peer, key=key, timeout=self.timeout)
                 self._prepared[key] = step.peer
+
+    def _returned(self, peer: int) -> bool:
+        """A peer that came back as a new process starts with a clean slate: its back-off is reset."""
+        try:
+            back = self.transport.returned(peer)
+        except Exception as err:  # noqa: BLE001 - a store we cannot reach: the exchange finds out
+            log.debug("fgdiloco %s: could not check rank %d's incarnation: %s", self.name, peer, err)
+            return False
+        if back:
+            log.warning("fgdiloco %s: rank %d came back (a new process); pairing with it again", self.name, peer)
+            self.health.success(peer)
+        return back
 
     def discard_prepared(self) -> None:
         """Give up every exchange set up by :meth:`prepare` and not run (a checkpoint was loaded, or the worker
@@ -293,6 +307,7 @@ class Mixer:
         res.exchanges += 1
         key = self._key(idx)
         prepared = self._prepared.pop(key, None) is not None
+        self._returned(peer)
         if self.transport.has_left(peer):
             self._fail(res, f"rank {peer} has left (departure notice)")
             return 0.0
@@ -363,12 +378,8 @@ class Mixer:
                 break
             if not met:
                 gone = self.transport.peer_gone(peer, t0, key)
-                if gone == "left":
-                    raise PeerLeft(f"{what}: the peer has left (departure notice)")
-                if gone == "abandoned":
-                    raise PeerDeclined(f"{what} declined: rank {peer} gave up the exchange")
                 if gone is not None:
-                    raise ExchangeError(f"{what} failed: the peer is gone ({gone})")
+                    raise gone_error(gone, what)
         try:
             return job.result()
         except ExchangeError:

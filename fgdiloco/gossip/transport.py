@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["Background", "Channel", "ExchangeError", "PeerDeclined", "PeerLeft", "Transport", "DistributedTransport",
-           "LocalHub", "LocalTransport", "HEARTBEAT_SECONDS", "LIVENESS_SECONDS"]
+           "LocalHub", "LocalTransport", "HEARTBEAT_SECONDS", "LIVENESS_SECONDS", "gone_error"]
 
 T = TypeVar("T")
 MAX_PAYLOAD_BYTES = 1 << 34  # a peer announcing more than 16 GiB is rejected before allocating
@@ -73,6 +73,23 @@ class PeerDeclined(ExchangeError):
 
 class PeerLeft(PeerDeclined):
     """The peer posted a departure notice (``FGDiLoCo.close``): it will not exchange again."""
+
+
+#: What :meth:`Transport.peer_gone` may answer, and what it means for the exchange: departure notice, skip (no
+#: back-off: the peer is fine or will be replaced), or a failure (back-off).
+_GONE_MESSAGES = {
+    "left": (PeerLeft, "the peer has left (departure notice)"),
+    "abandoned": (PeerDeclined, "declined: the peer gave up the exchange"),
+    "absent": (PeerDeclined, "skipped: the peer's slot has no worker (it never joined)"),
+    "restarted": (PeerDeclined, "skipped: the peer restarted (a new process took its slot)"),
+}
+
+
+def gone_error(gone: str, what: str) -> ExchangeError:
+    """The exception for a :meth:`Transport.peer_gone` verdict ``gone`` about the exchange ``what``: one place
+    for the mapping, used by the transport's rendezvous and by the mixer's wait."""
+    kind, text = _GONE_MESSAGES.get(gone, (ExchangeError, f"failed: the peer is gone ({gone})"))
+    return kind(f"{what}: {text}")
 
 
 class _Discarded(ExchangeError):
@@ -199,6 +216,19 @@ class Transport(abc.ABC):
         """Whether ``peer`` is known to have posted a departure notice (default: never known)."""
         return False
 
+    def returned(self, peer: int) -> bool:
+        """Whether ``peer`` came back as a new process (a restarted or rejoined worker) since this was last
+        asked; forgets its departure notice when it did. Default: never."""
+        return False
+
+    def publish_round(self, outer_round: int) -> None:  # noqa: B027 - optional hook
+        """Tell the job that this worker is starting outer round ``outer_round`` (see :meth:`live_round`)."""
+
+    def live_round(self) -> int | None:
+        """The newest outer round any peer has started (None: not known): a worker that restarted, or hung and
+        came back, joins the job there (``FGDiLoCo.rejoin``). Default: not known."""
+        return None
+
     def peer_gone(self, peer: int, since: float, key: str | None = None) -> str | None:
         """Why ``peer`` will not come (``"left"``, ``"abandoned"`` the exchange ``key``, or its heartbeat
         stopped), or None when it may still come. ``since`` (``time.monotonic()``) is when the caller started
@@ -286,17 +316,51 @@ class DistributedTransport(Transport):
             if dist.get_backend(collective_group) != "gloo":
                 raise ValueError(f"collective_group must be a Gloo group, got backend "
                                  f"{dist.get_backend(collective_group)!r}")
-        self._stores = _StorePool(dist.distributed_c10d._get_default_store())
         nonce = torch.tensor([secrets.randbits(62) if self.rank == 0 else 0], dtype=torch.int64)
         backend = dist.get_backend(self.group)
         if backend == "nccl":
             nonce = nonce.cuda()
         dist.broadcast(nonce, src=self.global_ranks[0], group=self.group)
-        self.namespace = f"fgdiloco/{int(nonce.item()):x}"
         self._coll = collective_group
         if exact and self.world_size > 1 and collective_group is None:
             self._coll = dist.new_group(self.global_ranks, backend="gloo",
                                         timeout=datetime.timedelta(seconds=self.timeout))
+        self._start(dist.distributed_c10d._get_default_store(), f"fgdiloco/{int(nonce.item()):x}", elastic=False)
+
+    @classmethod
+    def over_store(cls, store: dist.Store, rank: int, world_size: int, *, namespace: str,
+                   timeout: float = 60.0) -> DistributedTransport:
+        """A transport for an elastic job (:mod:`fgdiloco.elastic`): no process group, no collective; the
+        workers are the ``world_size`` *slots* of the job and meet on ``store`` (a ``TCPStore`` that no worker
+        hosts) under ``namespace``. The exact topology is not available (it needs a group).
+
+        Membership: each construction is a new *incarnation* of the slot (a counter in the store); every
+        exchange key names both sides' incarnations, so a restarted worker never meets what its dead
+        predecessor left in the store, and a peer waiting for the dead one stops as soon as the new one
+        registers. A slot that never registered is *absent*: exchanges with it are skipped at once.
+
+        Raises:
+            ValueError: ``rank`` not in ``[0, world_size)``, ``world_size`` < 1, or an empty ``namespace``.
+        """
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1 (the job's worker slots), got {world_size!r}")
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
+        if not namespace:
+            raise ValueError("namespace must be a non-empty string")
+        self = cls.__new__(cls)
+        self.group = None
+        self.rank, self.world_size, self.global_ranks = rank, world_size, list(range(world_size))
+        self.timeout = float(timeout)
+        self._coll = None
+        self._start(store, f"fgdiloco/{namespace}", elastic=True)
+        return self
+
+    def _start(self, store: dist.Store, namespace: str, *, elastic: bool) -> None:
+        """The part of construction shared by both kinds: store connections, membership and heartbeat."""
+        self.namespace = namespace
+        self.elastic = elastic
+        self._stores = _StorePool(store)
         self._coll_lock = threading.Lock()
         self._prepared: dict[tuple[int, str], tuple[Background, threading.Event]] = {}
         self._prepared_lock = threading.Lock()
@@ -304,8 +368,13 @@ class DistributedTransport(Transport):
         self._seen: dict[int, tuple[int, float]] = {}
         self._seen_lock = threading.Lock()
         self._left: set[int] = set()
+        self._incarnations: dict[int, int] = {}  # the incarnation of each peer our exchange keys name
         self._stop = threading.Event()
         beat_store = self._stores.acquire()
+        self.incarnation = beat_store.add(self._incarnation_key(self.rank), 1)
+        if beat_store.add(self._left_key(self.rank), 0) > 0:  # a predecessor's departure notice is not ours
+            beat_store.set(self._left_key(self.rank), "0")
+        self._published = beat_store.add(self._round_key(self.rank), 0)
         beat_store.add(self._alive_key(self.rank), 1)
         self._heartbeat = threading.Thread(target=self._beat, args=(beat_store,), name="fgdiloco-heartbeat",
                                            daemon=True)
@@ -316,6 +385,51 @@ class DistributedTransport(Transport):
 
     def _left_key(self, rank: int) -> str:
         return f"{self.namespace}/left/{rank}"
+
+    def _incarnation_key(self, rank: int) -> str:
+        return f"{self.namespace}/incarnation/{rank}"
+
+    def _round_key(self, rank: int) -> str:
+        return f"{self.namespace}/round/{rank}"
+
+    def _incarnation_of(self, peer: int) -> int:
+        with self._seen_lock:
+            return self._incarnations.get(peer, 1)
+
+    def returned(self, peer: int) -> bool:
+        if not self.elastic:  # a process group's members never come back as new processes
+            return False
+        store = self._stores.acquire()
+        try:
+            now = store.add(self._incarnation_key(peer), 0)
+        finally:
+            self._stores.release(store)
+        with self._seen_lock:
+            before = self._incarnations.get(peer)
+            self._incarnations[peer] = now
+            if before is None or now == before:
+                return False
+            self._left.discard(peer)
+            self._seen.pop(peer, None)
+        return True
+
+    def publish_round(self, outer_round: int) -> None:
+        if not self.elastic:
+            return
+        store = self._stores.acquire()
+        try:
+            self._published = store.add(self._round_key(self.rank), int(outer_round) - self._published)
+        finally:
+            self._stores.release(store)
+
+    def live_round(self) -> int | None:
+        if not self.elastic or self.world_size == 1:
+            return None
+        store = self._stores.acquire()
+        try:
+            return max(store.add(self._round_key(r), 0) for r in range(self.world_size) if r != self.rank)
+        finally:
+            self._stores.release(store)
 
     def _beat(self, store: dist.Store) -> None:
         while not self._stop.wait(HEARTBEAT_SECONDS):
@@ -333,8 +447,13 @@ class DistributedTransport(Transport):
             return "left"
         if key is not None and store.add(f"{self._prefix(peer, key)}/abandoned/{peer}", 0) > 0:
             return "abandoned"
-        limit = SUSPECT_LIVENESS_SECONDS if store.add(self._suspect_key(peer), 0) > 0 else LIVENESS_SECONDS
         beat = store.add(self._alive_key(peer), 0)
+        if self.elastic:
+            if beat == 0:
+                return "absent"
+            if store.add(self._incarnation_key(peer), 0) != self._incarnation_of(peer):
+                return "restarted"
+        limit = SUSPECT_LIVENESS_SECONDS if store.add(self._suspect_key(peer), 0) > 0 else LIVENESS_SECONDS
         now = time.monotonic()
         with self._seen_lock:
             value, seen = self._seen.get(peer, (None, since))
@@ -371,6 +490,9 @@ class DistributedTransport(Transport):
             self._stores.release(store)
 
     def _prefix(self, peer: int, key: str) -> str:
+        if self.elastic:  # both sides' incarnations: a new process never meets its predecessor's exchanges
+            (a, ia), (b, ib) = sorted(((self.rank, self.incarnation), (peer, self._incarnation_of(peer))))
+            return f"{self.namespace}/{key}/{a}.{ia}-{b}.{ib}"
         a, b = sorted((self.rank, peer))
         return f"{self.namespace}/{key}/{a}-{b}"
 
@@ -390,12 +512,8 @@ class DistributedTransport(Transport):
                         raise _Discarded(f"{key} with rank {peer} discarded")
                     break  # the peer committed first: build the group (it is there), the caller drops it
                 gone = self._peer_gone(store, peer, t0, key)
-                if gone == "left":
-                    raise PeerLeft(f"rank {peer} has left (departure notice) before {key}")
-                if gone == "abandoned":
-                    raise PeerDeclined(f"rank {peer} declined {key}: it gave up the exchange")
                 if gone is not None:
-                    raise ExchangeError(f"rank {peer} did not arrive for {key}: {gone}")
+                    raise gone_error(gone, f"{key} with rank {peer}")
                 left = timeout - (time.monotonic() - t0)
                 if left <= 0:
                     raise ExchangeError(f"rank {peer} did not arrive for {key} within {timeout:.1f} s")

@@ -42,6 +42,8 @@ class RoundStats:
             the peer's first payload: ``max(1 + 3·median, median + 6·MAD)`` of recent exchanges, at most
             ``timeout``), or None when Mix2 had no pair exchange. ``mix1_deadline_seconds``: the same for Mix1.
         resynced: the exact topology's Mix1 found replicas that differed and averaged them.
+        rejoins: times this worker has (re)joined the job at its live round so far (:meth:`FGDiLoCo.rejoin`: after
+            a restart, or after it fell ``CATCH_UP_ROUNDS`` behind, e.g. hung); elastic jobs only.
         mix1_peers, mix2_peers: the peer of each gossip round (None: no peer, -1: all-reduce).
         errors: one line per failure.
     """
@@ -69,6 +71,7 @@ class RoundStats:
     deadline_seconds: float | None = None
     mix1_deadline_seconds: float | None = None
     resynced: bool = False
+    rejoins: int = 0
     mix1_peers: list[int | None] = field(default_factory=list)
     mix2_peers: list[int | None] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)

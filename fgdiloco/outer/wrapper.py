@@ -34,6 +34,9 @@ log = logging.getLogger("fgdiloco")
 # 3: + the model's trainable parameters and buffers ("params", "buffers") and the key "generation";
 # 2: fp32 outer momentum owned by the wrapper ("momentum"); 1: outer momentum as a torch.optim.SGD state ("outer")
 STATE_VERSION = 3
+#: An elastic worker this many outer rounds behind the live round (it hung, or its peers went on without it)
+#: rejoins there (:meth:`FGDiLoCo.rejoin`); one round behind is normal (a peer waits for it at the next exchange).
+CATCH_UP_ROUNDS = 2
 _STATE_KEYS = ("version", "inner", "anchor", "round", "steps_in_round", "seed", "topology", "world_size", "rank",
                "fingerprint", "codec", "mix1_codec")
 _STATE_KEYS_BY_VERSION = {1: ("outer",), 2: ("momentum",), 3: ("momentum", "params", "buffers", "generation")}
@@ -181,6 +184,13 @@ class FGDiLoCo:
             since all stages derive it from the same seed), ``broadcast_init`` copies the first replica's stage,
             and the frame fingerprint includes the stage index, so a frame of another stage is rejected even when
             two stages have the same layout. Exclusive with ``process_group``.
+        elastic: join an elastic job (:mod:`fgdiloco.elastic`: each worker its own ``torchrun`` job, all meeting
+            on a gossip store no worker hosts, as ``fgdiloco launch`` starts them): the transport is
+            :func:`fgdiloco.elastic.connect` (settings from ``FGDILOCO_STORE``, ``FGDILOCO_WORKER``,
+            ``FGDILOCO_WORKERS``), no ``broadcast_init`` (seed the model the same on every worker), and the worker
+            joins the job at its live round (:meth:`rejoin`) at its first step and whenever it finds itself
+            ``CATCH_UP_ROUNDS`` behind. Not with ``process_group``, ``mesh``, ``transport`` or the ``allreduce``
+            topology (it needs a group).
 
     Raises:
         TypeError: an argument of the wrong type.
@@ -211,6 +221,7 @@ class FGDiLoCo:
         process_group: dist.ProcessGroup | None = None,
         transport: Transport | None = None,
         mesh: ReplicaMesh | None = None,
+        elastic: bool = False,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -264,7 +275,22 @@ class FGDiLoCo:
 
         # Who the workers are.
         name = topology.name if isinstance(topology, Topology) else topology
-        self._owns_transport = transport is None
+        if not isinstance(elastic, bool):
+            raise TypeError(f"elastic must be a bool, got {type(elastic).__name__}")
+        if elastic:
+            taken = [n for n, v in (("process_group", process_group), ("mesh", mesh), ("transport", transport))
+                     if v is not None]
+            if taken:
+                raise ValueError(f"elastic=True builds its own transport: drop {', '.join(taken)}")
+            if (make_topology(name, 1).exact if isinstance(topology, str) else topology.exact):
+                raise ValueError(f"elastic=True cannot use the exact topology {name!r} (it needs a process group); "
+                                 "use 'random', 'exponential' or 'ring'")
+            from ..elastic import connect
+
+            transport = connect(timeout=self.timeout)
+            broadcast_init = False
+        self.elastic = elastic
+        self._owns_transport = transport is None or elastic
         if transport is None and (process_group is not None or mesh is not None
                                   or (dist.is_available() and dist.is_initialized())):
             exact = make_topology(name, 1).exact if isinstance(topology, str) else topology.exact
@@ -300,6 +326,8 @@ class FGDiLoCo:
         self.last_round: RoundStats | None = None
         self.failed_exchanges_total = 0
         self.out_of_scale_total = 0
+        self.rejoins = 0
+        self._joined = not elastic  # an elastic worker joins at the live round at its first step
         self._generation = 0
         self._hooks = [inner_optimizer.register_step_pre_hook(self._pre_step),
                        inner_optimizer.register_step_post_hook(self._post_step)]
@@ -433,11 +461,62 @@ class FGDiLoCo:
         return values
 
     def _start_round(self) -> None:
-        """Round start: Mix1 of the round-start values in the background, and Mix2's exchanges set up."""
+        """Round start: Mix1 of the round-start values in the background, and Mix2's exchanges set up. An elastic
+        worker first joins the live round if it is new or has fallen behind."""
         self._check_parameters()
+        if self.elastic:
+            self._catch_up(1 if not self._joined else CATCH_UP_ROUNDS)
+            self._joined = True
+            with contextlib.suppress(Exception):  # a store we cannot reach: peers see an older round
+                self.transport.publish_round(self._round)
         values, outer_round = self._mix1_values(), self._round
         self._mix1 = Background(lambda: self._run_mix1(values, outer_round), f"mix1-{outer_round}")
         self._mixer2.prepare(self._round)
+
+    def rejoin(self) -> int:
+        """Join the job at its live round: the newest outer round a peer has started
+        (:meth:`~fgdiloco.gossip.Transport.live_round`), when that is ahead of this worker's. Returns the round
+        this worker is in afterwards.
+
+        For a worker that restarted (after loading its own checkpoint, or fresh) or hung and came back: it skips
+        the rounds it missed, starting the live round from its own parameters, outer momentum and inner optimizer
+        state (Mix1 of that round pulls the parameters and momentum toward its peers at once); its peers reset
+        their back-off for it as soon as they see it is a new process. Counted in :attr:`rejoins` and in
+        ``RoundStats.rejoins``, logged. An elastic wrapper (``elastic=True``) does it by itself at its first step
+        and whenever it is ``CATCH_UP_ROUNDS`` behind; a Mix1 in flight is waited for and dropped first.
+        Without a transport that knows the live round (not elastic) it changes nothing.
+        """
+        if self._mix1 is not None:
+            with contextlib.suppress(Exception):
+                self._mix1.result()
+            self._mix1 = None
+            self._mixer1.discard_prepared()
+            self._mixer2.discard_prepared()
+        self._catch_up(1)
+        self._joined = True
+        return self._round
+
+    @torch.no_grad()
+    def _catch_up(self, behind: int) -> None:
+        """Move to the live round when it is at least ``behind`` rounds ahead (see :meth:`rejoin`)."""
+        if self.transport is None:
+            return
+        try:
+            live = self.transport.live_round()
+        except Exception as err:  # noqa: BLE001 - a store we cannot reach: stay where we are
+            log.debug("fgdiloco: could not read the live round: %s", err)
+            return
+        if live is None or live - self._round < behind:
+            return
+        log.warning("fgdiloco rank %d: joining the job at outer round %d (this worker was at round %d, step %d "
+                    "of it)", self.rank, live, self._round, self._steps_in_round)
+        for p, t in zip(self.params, self._theta0):  # the live round starts from where this worker is
+            t.copy_(p.detach().to(torch.float32))
+        self._round = live
+        self._steps_in_round = 0
+        self._round_t0 = time.perf_counter()
+        self._paused_seconds = 0.0
+        self.rejoins += 1
 
     @torch.no_grad()
     def _run_mix1(self, values: list[torch.Tensor], outer_round: int) -> MixResult:
@@ -530,6 +609,7 @@ class FGDiLoCo:
             deadline_seconds=mix2.deadline,
             mix1_deadline_seconds=mix1.deadline,
             resynced=mix1.resynced,
+            rejoins=self.rejoins,
             mix1_peers=mix1.peers,
             mix2_peers=mix2.peers,
             errors=mix1.errors + mix2.errors,
@@ -706,7 +786,10 @@ class FGDiLoCo:
             self._mix1 = None
         self._mixer1.discard_prepared()
         self._mixer2.discard_prepared()
-        self._generation = max(self._generation, int(state.get("generation", 0))) + 1
+        # an elastic job's exchange keys name each side's incarnation and a loaded worker rejoins at the live
+        # round: its keys are new without a generation (which would have to agree with the peers')
+        if not self.elastic:
+            self._generation = max(self._generation, int(state.get("generation", 0))) + 1
         self._mixer1.generation = self._mixer2.generation = self._generation
         with torch.no_grad():
             self._theta0 = [saved.detach().to(device=t.device, dtype=torch.float32, copy=True)
