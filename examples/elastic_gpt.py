@@ -8,8 +8,9 @@ per worker every ``--checkpoint-every`` rounds (atomic), and loading it when tor
 restarted worker rejoins at the job's live round by itself (``opt.rejoin()`` runs at its first step).
 
 ``--crash-worker K --crash-round R`` makes worker K die (``os._exit``) at round R of its first life, to watch a
-restart and rejoin; ``--results DIR`` writes ``DIR/worker<k>.json`` (rounds trained, held-out loss, rejoins, failed
-exchanges) when a worker finishes.
+restart and rejoin; ``--leave-worker K --leave-round R`` makes it leave early (``opt.close()``: a departure notice).
+``--results DIR`` writes ``DIR/worker<k>.pid`` while a worker runs and ``DIR/worker<k>.json`` (rounds trained,
+held-out loss, rejoins, failed exchanges and their messages) when it finishes.
 """
 
 import argparse
@@ -38,6 +39,8 @@ p.add_argument("--checkpoint-dir", default=None, help="write <dir>/worker<k>.pt 
 p.add_argument("--checkpoint-every", type=int, default=1, help="rounds between checkpoints")
 p.add_argument("--crash-worker", type=int, default=None, help="this worker dies at --crash-round (first life)")
 p.add_argument("--crash-round", type=int, default=3)
+p.add_argument("--leave-worker", type=int, default=None, help="this worker leaves (close()) at --leave-round")
+p.add_argument("--leave-round", type=int, default=3)
 p.add_argument("--results", default=None, help="write <dir>/worker<k>.json at the end")
 args = p.parse_args()
 
@@ -63,7 +66,7 @@ if ckpt is not None and ckpt.exists():  # a restart: our own last checkpoint, th
     state = torch.load(ckpt, weights_only=False)
     opt.load_state_dict(state["fgdiloco"])
     gen.set_state(state["batches"])
-    print(f"worker {worker} (life {life}): resumed from {ckpt} at round {opt.round}", flush=True)
+    print(f"worker {worker} (life {life}): resumed from {ckpt} at round {opt.round} at {time.time():.3f}", flush=True)
 
 
 @torch.no_grad()
@@ -74,10 +77,16 @@ def held_out_loss() -> float:
     return loss
 
 
-trained, failed, t0 = [], 0, time.time()
+if args.results:
+    Path(args.results).mkdir(parents=True, exist_ok=True)
+    (Path(args.results) / f"worker{worker}.pid").write_text(str(os.getpid()))
+trained, failed, errors, t0 = [], 0, [], time.time()
 while opt.round < args.rounds:
+    if args.leave_worker == worker and opt.round == args.leave_round:
+        print(f"worker {worker}: leaving at round {opt.round} (--leave-worker)", flush=True)
+        break
     if args.crash_worker == worker and life == 0 and opt.round == args.crash_round:
-        print(f"worker {worker}: dying at round {opt.round} (--crash-worker)", flush=True)
+        print(f"worker {worker}: dying at round {opt.round} (--crash-worker) at {time.time():.3f}", flush=True)
         os._exit(1)
     x, y = data.sample_batch(train, args.batch_size, args.block_size, gen)
     _, loss = model(x, y)
@@ -90,18 +99,19 @@ while opt.round < args.rounds:
         s = opt.last_round
         trained.append(s.round)
         failed += s.failed_exchanges
+        errors += [f"round {s.round}: {e}" for e in s.errors]
         print(f"worker {worker} round {s.round:3d}  train {loss.item():.3f}  failed {s.failed_exchanges}  "
-              f"rejoins {s.rejoins}", flush=True)
+              f"rejoins {s.rejoins}  at {time.time():.3f}", flush=True)
         if ckpt is not None and opt.round % args.checkpoint_every == 0:
             tmp = ckpt.with_suffix(".tmp")
             ckpt.parent.mkdir(parents=True, exist_ok=True)
             torch.save({"fgdiloco": opt.state_dict(), "batches": gen.get_state()}, tmp)
             os.replace(tmp, ckpt)  # atomic: a worker killed mid-write keeps its previous checkpoint
 loss = held_out_loss()
-print(f"worker {worker} done: {args.rounds} rounds, held-out loss {loss:.4f}, rejoins {opt.rejoins}", flush=True)
+print(f"worker {worker} done at round {opt.round}, held-out loss {loss:.4f}, rejoins {opt.rejoins}", flush=True)
 opt.close()
 if args.results:
     Path(args.results).mkdir(parents=True, exist_ok=True)
     (Path(args.results) / f"worker{worker}.json").write_text(json.dumps({
         "worker": worker, "life": life, "rounds_trained": trained, "held_out_loss": loss, "rejoins": opt.rejoins,
-        "failed_exchanges": failed, "seconds": time.time() - t0}))
+        "failed_exchanges": failed, "errors": errors, "final_round": opt.round, "seconds": time.time() - t0}))

@@ -326,7 +326,8 @@ class Mixer:
         what = f"{self.name} exchange {key} with rank {peer}"
         try:
             outcome = self._supervise(Background(lambda: self._converse(peer, key, idx, values, counts, deadline,
-                                                                        met), what), peer, key, met, deadline, what)
+                                                                        met), what), peer, key, met, deadline, what,
+                                       outer_round)
         except _OutOfScale as e:
             res.out_of_scale += 1
             self._fail(res, str(e))
@@ -363,9 +364,11 @@ class Mixer:
         return outcome.floor
 
     def _supervise(self, job: Background, peer: int, key: str, met: list[float], deadline: float,
-                   what: str) -> PairOutcome:
+                   what: str, outer_round: int) -> PairOutcome:
         """Wait for the conversation in ``job``: until the peer's first payload at most ``timeout``, giving up as
-        soon as the peer left or its heartbeat stopped (polled every ``_POLL`` s); then at most ``deadline``.
+        soon as the peer left, its heartbeat stopped, or it has started a later outer round than
+        ``outer_round`` (it will never come: an elastic peer that rejoined ahead; polled every ``_POLL`` s);
+        then at most ``deadline``.
         A thread left behind ends when its Gloo wait times out (the same bounds)."""
         t0 = time.monotonic()
         while True:
@@ -380,6 +383,9 @@ class Mixer:
                 gone = self.transport.peer_gone(peer, t0, key)
                 if gone is not None:
                     raise gone_error(gone, what)
+                ahead = self.transport.peer_round(peer)
+                if ahead is not None and ahead > outer_round:
+                    raise PeerDeclined(f"{what}: skipped: the peer has moved on to outer round {ahead}")
         try:
             return job.result()
         except ExchangeError:

@@ -111,6 +111,28 @@ class Channel(abc.ABC):
         """Release the connection (nothing to do by default)."""
 
 
+_RUNNING: set[Background] = set()
+_RUNNING_LOCK = threading.Lock()
+
+
+def running_background() -> list[str]:
+    """What each :class:`Background` still running is doing (its ``what``)."""
+    with _RUNNING_LOCK:
+        return [job.what for job in _RUNNING]
+
+
+def drain_background(limit: float) -> list[str]:
+    """Wait (at most ``limit`` seconds in all) for every :class:`Background` still running, e.g. an exchange
+    given up on whose thread is still inside Gloo until its own timeout: a thread inside Gloo when the interpreter
+    exits aborts the process ("terminate called without an active exception"). Returns what is still running."""
+    t_end = time.monotonic() + limit
+    with _RUNNING_LOCK:
+        running = list(_RUNNING)
+    for job in running:
+        job.wait(max(t_end - time.monotonic(), 0.0))
+    return running_background()
+
+
 class Background:
     """``fn()`` running in a daemon thread (a gossip exchange, or a whole mix).
 
@@ -122,6 +144,8 @@ class Background:
         self.what = what
         self._box: dict[str, Any] = {}
         self._thread = threading.Thread(target=self._run, args=(fn,), name=f"fgdiloco-{what}", daemon=True)
+        with _RUNNING_LOCK:
+            _RUNNING.add(self)
         self._thread.start()
 
     def _run(self, fn: Callable[[], Any]) -> None:
@@ -129,6 +153,9 @@ class Background:
             self._box["value"] = fn()
         except BaseException as e:  # noqa: BLE001 - re-raised by result()
             self._box["error"] = e
+        finally:
+            with _RUNNING_LOCK:
+                _RUNNING.discard(self)
 
     def done(self) -> bool:
         return not self._thread.is_alive()
@@ -224,9 +251,30 @@ class Transport(abc.ABC):
     def publish_round(self, outer_round: int) -> None:  # noqa: B027 - optional hook
         """Tell the job that this worker is starting outer round ``outer_round`` (see :meth:`live_round`)."""
 
+    def peer_round(self, peer: int) -> int | None:
+        """The outer round ``peer`` last said it started (:meth:`publish_round`), or None when not known. A peer
+        past the round of an exchange will never come to it."""
+        return None
+
     def live_round(self) -> int | None:
         """The newest outer round any peer has started (None: not known): a worker that restarted, or hung and
         came back, joins the job there (``FGDiLoCo.rejoin``). Default: not known."""
+        return None
+
+    def request_state(self) -> None:  # noqa: B027 - optional hook
+        """Ask the live peers for their state (a worker that joins without one of its own): the first peer to
+        see the request at its next round start answers with :meth:`offer_state`; :meth:`await_state` gets it."""
+
+    def state_requests(self) -> list[tuple[int, int]]:
+        """``(peer, incarnation)`` of the state requests not answered yet (cheap when there are none)."""
+        return []
+
+    def offer_state(self, peer: int, incarnation: int, payload: bytes) -> bool:
+        """Answer ``peer``'s state request with ``payload``; False when another peer answered first."""
+        return False
+
+    def await_state(self, timeout: float) -> bytes | None:
+        """The answer to this worker's :meth:`request_state`, or None when none came within ``timeout`` s."""
         return None
 
     def peer_gone(self, peer: int, since: float, key: str | None = None) -> str | None:
@@ -421,6 +469,84 @@ class DistributedTransport(Transport):
             self._published = store.add(self._round_key(self.rank), int(outer_round) - self._published)
         finally:
             self._stores.release(store)
+
+    # A joiner's state comes through the store: a request per incarnation, answered once (compare_set claim).
+    def _want_key(self, rank: int) -> str:
+        return f"{self.namespace}/want/{rank}"
+
+    def _state_key(self, rank: int, incarnation: int) -> str:
+        return f"{self.namespace}/state/{rank}.{incarnation}"
+
+    def request_state(self) -> None:
+        if not self.elastic:
+            return
+        store = self._stores.acquire()
+        try:
+            store.set(self._want_key(self.rank), str(self.incarnation))
+            store.add(f"{self.namespace}/wants", 1)
+        finally:
+            self._stores.release(store)
+
+    def state_requests(self) -> list[tuple[int, int]]:
+        if not self.elastic:
+            return []
+        store = self._stores.acquire()
+        try:
+            wants = store.add(f"{self.namespace}/wants", 0)
+            if wants == getattr(self, "_wants_seen", 0):
+                return []
+            self._wants_seen = wants
+            out = []
+            for r in range(self.world_size):
+                if r != self.rank and store.check([self._want_key(r)]):
+                    inc = int(store.get(self._want_key(r)))
+                    if not store.check([self._state_key(r, inc) + "/claim"]):
+                        out.append((r, inc))
+            return out
+        finally:
+            self._stores.release(store)
+
+    def offer_state(self, peer: int, incarnation: int, payload: bytes) -> bool:
+        if not self.elastic:
+            return False
+        store = self._stores.acquire()
+        try:
+            key = self._state_key(peer, incarnation)
+            mine = str(self.rank).encode()
+            if store.compare_set(key + "/claim", "", mine) != mine:
+                return False
+            store.set(key, payload)
+            return True
+        finally:
+            self._stores.release(store)
+
+    def await_state(self, timeout: float) -> bytes | None:
+        if not self.elastic:
+            return None
+        store = self._stores.acquire()
+        try:
+            key, t0 = self._state_key(self.rank, self.incarnation), time.monotonic()
+            while not store.check([key]):
+                if time.monotonic() - t0 > timeout or not self._anyone_there(store, t0):
+                    return None
+                time.sleep(_POLL_SECONDS)
+            return store.get(key)
+        finally:
+            self._stores.release(store)
+
+    def peer_round(self, peer: int) -> int | None:
+        if not self.elastic:
+            return None
+        store = self._stores.acquire()
+        try:
+            return store.add(self._round_key(peer), 0)
+        finally:
+            self._stores.release(store)
+
+    def _anyone_there(self, store: dist.Store, since: float) -> bool:
+        """Whether some other slot holds a live worker (joined, not departed, heartbeat moving): one that may
+        still answer a state request."""
+        return any(self._peer_gone(store, r, since) is None for r in range(self.world_size) if r != self.rank)
 
     def live_round(self) -> int | None:
         if not self.elastic or self.world_size == 1:

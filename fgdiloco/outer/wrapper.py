@@ -19,11 +19,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..factor.codec import Codec, resolve_codec
-from ..factor.frame import job_secret, layout_fingerprint
+from ..factor.codec import Codec, Dense, resolve_codec
+from ..factor.frame import FrameError, decode_frame, encode_frame, job_secret, layout_fingerprint
 from ..gossip.mix import MAX_RATIO, Mixer, MixResult, PeerHealth
 from ..gossip.topology import Topology, make_topology
-from ..gossip.transport import Background, DistributedTransport, Transport, call_with_deadline
+from ..gossip.transport import (
+    Background,
+    DistributedTransport,
+    Transport,
+    call_with_deadline,
+    drain_background,
+    running_background,
+)
 from ..mesh import ReplicaMesh
 from .stats import RoundStats
 
@@ -35,8 +42,9 @@ log = logging.getLogger("fgdiloco")
 # 2: fp32 outer momentum owned by the wrapper ("momentum"); 1: outer momentum as a torch.optim.SGD state ("outer")
 STATE_VERSION = 3
 #: An elastic worker this many outer rounds behind the live round (it hung, or its peers went on without it)
-#: rejoins there (:meth:`FGDiLoCo.rejoin`); one round behind is normal (a peer waits for it at the next exchange).
-CATCH_UP_ROUNDS = 2
+#: rejoins there (:meth:`FGDiLoCo.rejoin`); a round or two behind is normal (its peers wait for it at their next
+#: exchange with it, so the job pulls itself back into step).
+CATCH_UP_ROUNDS = 3
 _STATE_KEYS = ("version", "inner", "anchor", "round", "steps_in_round", "seed", "topology", "world_size", "rank",
                "fingerprint", "codec", "mix1_codec")
 _STATE_KEYS_BY_VERSION = {1: ("outer",), 2: ("momentum",), 3: ("momentum", "params", "buffers", "generation")}
@@ -49,8 +57,17 @@ _LIVE: weakref.WeakSet[FGDiLoCo] = weakref.WeakSet()
 
 @atexit.register
 def _drain_at_exit() -> None:
+    limit = max((opt.timeout for opt in _LIVE), default=0.0)
     for opt in list(_LIVE):
         opt.close()
+    if limit:  # exchanges given up on may still be inside Gloo: let them end (each within its timeout)
+        waiting = running_background()
+        if waiting:
+            log.warning("fgdiloco: waiting (at most %.0f s) for %d exchange(s) to end before exit: %s", limit,
+                        len(waiting), ", ".join(waiting[:5]))
+        left = drain_background(limit)
+        if left:
+            log.warning("fgdiloco: exiting with exchanges still running: %s", ", ".join(left[:5]))
 
 
 _SIGTERM_PREVIOUS: list[Any] = []  # the handler ours replaced (installed once per process)
@@ -328,6 +345,7 @@ class FGDiLoCo:
         self.out_of_scale_total = 0
         self.rejoins = 0
         self._joined = not elastic  # an elastic worker joins at the live round at its first step
+        self._fresh = True  # no state loaded: a worker joining a running job takes a live peer's state
         self._generation = 0
         self._hooks = [inner_optimizer.register_step_pre_hook(self._pre_step),
                        inner_optimizer.register_step_post_hook(self._post_step)]
@@ -465,7 +483,9 @@ class FGDiLoCo:
         worker first joins the live round if it is new or has fallen behind."""
         self._check_parameters()
         if self.elastic:
-            self._catch_up(1 if not self._joined else CATCH_UP_ROUNDS)
+            if self._joined:  # a worker that has not joined yet has nothing to give
+                self._serve_state_requests()
+            self._catch_up(1 if not self._joined else CATCH_UP_ROUNDS, adopt=not self._joined and self._fresh)
             self._joined = True
             with contextlib.suppress(Exception):  # a store we cannot reach: peers see an older round
                 self.transport.publish_round(self._round)
@@ -492,13 +512,14 @@ class FGDiLoCo:
             self._mix1 = None
             self._mixer1.discard_prepared()
             self._mixer2.discard_prepared()
-        self._catch_up(1)
+        self._catch_up(1, adopt=self._fresh)
         self._joined = True
         return self._round
 
     @torch.no_grad()
-    def _catch_up(self, behind: int) -> None:
-        """Move to the live round when it is at least ``behind`` rounds ahead (see :meth:`rejoin`)."""
+    def _catch_up(self, behind: int, adopt: bool = False) -> None:
+        """Move to the live round when it is at least ``behind`` rounds ahead (see :meth:`rejoin`); ``adopt``:
+        take a live peer's round-start parameters and outer momentum first (a worker with no state of its own)."""
         if self.transport is None:
             return
         try:
@@ -507,6 +528,8 @@ class FGDiLoCo:
             log.debug("fgdiloco: could not read the live round: %s", err)
             return
         if live is None or live - self._round < behind:
+            return
+        if adopt and self._adopt():
             return
         log.warning("fgdiloco rank %d: joining the job at outer round %d (this worker was at round %d, step %d "
                     "of it)", self.rank, live, self._round, self._steps_in_round)
@@ -517,6 +540,60 @@ class FGDiLoCo:
         self._round_t0 = time.perf_counter()
         self._paused_seconds = 0.0
         self.rejoins += 1
+
+    def _state_payload(self) -> bytes:
+        """This worker's round-start parameters and outer momentum (fp32), as a checked frame (authenticated
+        with the job secret), preceded by the round as 8 bytes: what a joining peer adopts."""
+        codec = Dense()
+        body, _ = codec.encode(self._theta0 + self._momentum, stateful=False)
+        frame = encode_frame(codec, body, sender=self.rank, round=self._round, fingerprint=self.fingerprint,
+                             secret=self._mixer1.secret)
+        return self._round.to_bytes(8, "little") + frame
+
+    def _serve_state_requests(self) -> None:
+        """Answer the state requests of joining peers (one store read when there are none)."""
+        try:
+            for peer, incarnation in self.transport.state_requests():
+                if self.transport.offer_state(peer, incarnation, self._state_payload()):
+                    log.info("fgdiloco rank %d: sent round %d's state to joining rank %d", self.rank, self._round,
+                             peer)
+        except Exception as err:  # noqa: BLE001 - a store we cannot reach: the joiner falls back to its own
+            log.debug("fgdiloco: could not answer state requests: %s", err)
+
+    @torch.no_grad()
+    def _adopt(self) -> bool:
+        """Join with a live peer's state (see :meth:`rejoin`); False when none came within ``timeout`` or it was
+        rejected (then the worker joins with its own)."""
+        try:
+            self.transport.request_state()
+            payload = self.transport.await_state(self.timeout)
+        except Exception as err:  # noqa: BLE001 - a store we cannot reach: join with our own state
+            log.warning("fgdiloco rank %d: could not ask for a peer's state (%s); joining with its own", self.rank,
+                        err)
+            return False
+        if payload is None:
+            log.warning("fgdiloco rank %d: no peer sent its state (within %.0f s, or none is left); joining with "
+                        "its own", self.rank, self.timeout)
+            return False
+        try:
+            r = int.from_bytes(payload[:8], "little")
+            values = decode_frame(payload[8:], Dense(), self._theta0 + self._momentum, fingerprint=self.fingerprint,
+                                  round=r, secret=self._mixer1.secret)
+        except FrameError as err:
+            log.warning("fgdiloco rank %d: rejected a peer's state (%s); joining with its own", self.rank, err)
+            return False
+        n = len(self.params)
+        self._theta0 = [v.to(device=t.device, dtype=torch.float32) for v, t in zip(values[:n], self._theta0)]
+        self._momentum = [v.to(device=t.device, dtype=torch.float32) for v, t in zip(values[n:], self._momentum)]
+        for p, t in zip(self.params, self._theta0):
+            p.copy_(t)
+        log.warning("fgdiloco rank %d: joined the job at outer round %d with a live peer's parameters and outer "
+                    "momentum (this worker was at round %d)", self.rank, r, self._round)
+        self._round, self._steps_in_round = r, 0
+        self._round_t0 = time.perf_counter()
+        self._paused_seconds = 0.0
+        self.rejoins += 1
+        return True
 
     @torch.no_grad()
     def _run_mix1(self, values: list[torch.Tensor], outer_round: int) -> MixResult:
@@ -807,6 +884,7 @@ class FGDiLoCo:
                     p.copy_(t)
         self._round = int(state["round"])
         self._steps_in_round = int(state["steps_in_round"])
+        self._fresh = False
         self._round_t0 = None
         self._paused_seconds = 0.0
 

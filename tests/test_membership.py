@@ -1,0 +1,232 @@
+"""Membership of elastic jobs on a real TCPStore (fgdiloco.elastic, DistributedTransport.over_store): slots,
+incarnations, absent and restarted peers, the live round, state for joiners, and the settings' errors.
+Workers are threads here (the transport needs no process group); tests/test_elastic_launch.py runs real processes
+under ``fgdiloco launch``."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fgdiloco import FGDiLoCo
+from fgdiloco.elastic import GossipStore, connect, settings
+from fgdiloco.factor import Dense
+from fgdiloco.gossip.mix import Mixer, PeerHealth
+from fgdiloco.gossip.topology import make_topology
+from fgdiloco.gossip.transport import DistributedTransport, PeerDeclined
+
+
+@pytest.fixture
+def store():
+    s = GossipStore("127.0.0.1", 0)
+    yield s
+    s.close()
+
+
+def _client(store: GossipStore) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", store.port, is_master=False)
+
+
+def _transport(store: GossipStore, rank: int, world: int, timeout: float = 10.0) -> DistributedTransport:
+    return DistributedTransport.over_store(_client(store), rank, world, namespace="t", timeout=timeout)
+
+
+def test_settings_come_from_the_environment_and_bad_ones_are_named():
+    env = {"FGDILOCO_STORE": "host:29400", "FGDILOCO_WORKER": "2", "FGDILOCO_WORKERS": "5"}
+    assert settings(environ=env) == {"host": "host", "port": 29400, "worker": 2, "workers": 5, "job": "default",
+                                     "min_workers": 5}
+    assert settings(worker=4, min_workers=3, job="j", environ=env)["worker"] == 4
+    with pytest.raises(ValueError, match="FGDILOCO_STORE"):
+        settings(environ={})
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        settings(environ=dict(env, FGDILOCO_STORE="nohost"))
+    with pytest.raises(ValueError, match=r"worker \(\$FGDILOCO_WORKER\) must be in \[0, workers=5\)"):
+        settings(environ=dict(env, FGDILOCO_WORKER="5"))
+    with pytest.raises(ValueError, match="workers is not set"):
+        settings(environ={"FGDILOCO_STORE": "h:1", "FGDILOCO_WORKER": "0"})
+    with pytest.raises(ValueError, match="min_workers"):
+        settings(min_workers=6, environ=env)
+    with pytest.raises(ValueError, match="job"):
+        settings(job="a/b", environ=env)
+    with pytest.raises(TypeError, match="worker must be an int"):
+        settings(worker=1.5, environ=env)
+
+
+def test_over_store_checks_its_arguments(store):
+    c = _client(store)
+    for kw, match in (({"rank": 2, "world_size": 2}, "rank must be"), ({"rank": 0, "world_size": 0}, "world_size"),
+                      ({"rank": 0, "world_size": 2, "namespace": ""}, "namespace")):
+        args = {"namespace": "t", **kw}
+        with pytest.raises(ValueError, match=match):
+            DistributedTransport.over_store(c, args["rank"], args["world_size"], namespace=args["namespace"])
+
+
+def test_connect_waits_for_the_first_workers_and_names_the_missing(store):
+    with pytest.raises(TimeoutError, match=r"missing slots: \[1\]"):
+        connect(store.address, 0, 2, wait=0.5)
+    got = {}
+    t = threading.Thread(target=lambda: got.setdefault(1, connect(store.address, 1, 2, wait=10)))
+    t.start()
+    a = connect(store.address, 0, 2, wait=10)
+    t.join()
+    assert (a.rank, got[1].rank, a.world_size) == (0, 1, 2)
+    assert a.incarnation == 2  # the first attempt above registered slot 0 once already
+    with pytest.raises(TimeoutError, match="cannot reach the gossip store"):
+        connect("127.0.0.1:1", 0, 1, timeout=1.0)
+    a.close()
+    got[1].close()
+
+
+def test_an_absent_slot_is_skipped_at_once(store):
+    a = _transport(store, 0, 3)
+    t0 = time.monotonic()
+    with pytest.raises(PeerDeclined, match="never joined"):
+        a.open(2, key="k", timeout=10.0)
+    assert time.monotonic() - t0 < 1.0
+    a.close()
+
+
+def test_a_restarted_peer_gets_new_keys_and_its_old_exchange_ends_at_once(store):
+    a, b = _transport(store, 0, 2), _transport(store, 1, 2)
+    assert a.returned(1) is False  # first sight
+    errors = []
+
+    def wait_for_old_b():
+        try:
+            a.open(1, key="k", timeout=20.0)
+        except PeerDeclined as e:
+            errors.append((str(e), time.monotonic()))
+
+    t = threading.Thread(target=wait_for_old_b)
+    t.start()
+    time.sleep(0.3)  # a is waiting for b's hello (b is "alive" but never comes)
+    b.close()
+    b2 = _transport(store, 1, 2)  # the restarted process takes the slot: a new incarnation
+    t_restart = time.monotonic()
+    t.join(10)
+    assert errors and "restarted" in errors[0][0] and errors[0][1] - t_restart < 2.0
+    assert b2.incarnation == 2 and a.returned(1) is True and a.returned(1) is False
+    # the new incarnation and a meet on keys that name it
+    out = {}
+    tb = threading.Thread(target=lambda: out.setdefault("b", b2.exchange(0, b"from b2", key="k2", timeout=10)))
+    tb.start()
+    out["a"] = a.exchange(1, b"from a", key="k2", timeout=10)
+    tb.join()
+    assert out == {"a": b"from b2", "b": b"from a"}
+    a.close()
+    b2.close()
+
+
+def test_a_returned_peer_is_out_of_back_off(store):
+    a = _transport(store, 0, 2)
+    b = _transport(store, 1, 2)
+    mixer = Mixer("mix2", make_topology("random", 2, 0), a, Dense(), 1, b"\0" * 8, 5.0, health=PeerHealth())
+    assert mixer._returned(1) is False
+    mixer.health.failure(1, 0)
+    assert mixer.health.skip(1, 1)
+    b.close()
+    b2 = _transport(store, 1, 2)
+    assert mixer._returned(1) is True and not mixer.health.skip(1, 1)
+    a.close()
+    b2.close()
+
+
+def test_rounds_are_published_and_the_live_round_is_the_newest(store):
+    ts = [_transport(store, r, 3) for r in range(3)]
+    assert ts[0].live_round() == 0
+    ts[1].publish_round(4)
+    ts[2].publish_round(7)
+    ts[2].publish_round(9)
+    assert (ts[0].live_round(), ts[0].peer_round(1), ts[0].peer_round(2), ts[1].live_round()) == (9, 4, 9, 9)
+    ts[2].close()
+    again = _transport(store, 2, 3)  # a restart continues from the slot's published round
+    again.publish_round(10)
+    assert ts[0].peer_round(2) == 10
+    for t in (ts[0], ts[1], again):
+        t.close()
+
+
+def test_a_joiner_gets_one_answer_to_its_state_request(store):
+    a, b, c = (_transport(store, r, 3) for r in range(3))
+    assert a.state_requests() == []
+    c.request_state()
+    assert a.state_requests() == [(2, 1)] and b.state_requests() == [(2, 1)]
+    assert a.state_requests() == []  # nothing new since
+    assert a.offer_state(2, 1, b"state of a") is True
+    assert b.offer_state(2, 1, b"state of b") is False  # answered already
+    assert c.await_state(5.0) == b"state of a"
+    for t in (a, b, c):  # everyone else leaves (with a notice)
+        t.leave()
+    d = _transport(store, 1, 3)  # nobody left to answer: the wait ends at once, not after the timeout
+    a.close(), b.close(), c.close()
+    t0 = time.monotonic()
+    d.request_state()
+    assert d.await_state(30.0) is None and time.monotonic() - t0 < 2.0
+    d.close()
+
+
+def _wrapper(transport, seed_value: float) -> FGDiLoCo:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(seed_value)
+    return FGDiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2, transport=transport,
+                    codec="dense", mix1_codec="dense", outer_momentum=0.5)
+
+
+def test_rejoin_adopts_a_live_peers_state_and_round(store):
+    a = _wrapper(_transport(store, 0, 2), 1.0)
+    b = _wrapper(_transport(store, 1, 2), 5.0)  # a fresh joiner: its own values are not to be mixed in
+    a.transport.publish_round(6)
+    a._round = 6
+    a._momentum = [torch.full_like(m, 0.25) for m in a._momentum]
+    done = threading.Event()
+
+    def serve():  # a, at its next round start, answers the request
+        while not done.is_set():
+            a._serve_state_requests()
+            time.sleep(0.05)
+
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        assert b.rejoin() == 6
+    finally:
+        done.set()
+        t.join()
+    assert b.rejoins == 1 and b._steps_in_round == 0
+    for p in b.params:
+        assert torch.equal(p.detach(), torch.ones_like(p))
+    for m in b._momentum:
+        assert torch.equal(m, torch.full_like(m, 0.25))
+    assert b.rejoin() == 6 and b.rejoins == 1  # already there: nothing changes
+    a.close(), b.close()
+    a.transport.close(), b.transport.close()
+
+
+def test_rejoin_with_own_state_jumps_to_the_live_round_and_keeps_its_parameters(store):
+    a = _wrapper(_transport(store, 0, 2), 1.0)
+    b = _wrapper(_transport(store, 1, 2), 5.0)
+    b.load_state_dict(b.state_dict())  # its own checkpoint: not fresh
+    a.transport.publish_round(3)
+    assert b.rejoin() == 3 and b.rejoins == 1
+    for p, t in zip(b.params, b._theta0):
+        assert torch.equal(p.detach(), torch.full_like(p, 5.0)) and torch.equal(t, p.detach())
+    a.close(), b.close()
+    a.transport.close(), b.transport.close()
+
+
+def test_elastic_arguments_that_cannot_hold_are_refused():
+    model = torch.nn.Linear(2, 2)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="exact topology 'allreduce'"):
+        FGDiLoCo(model, inner, sync_every=2, elastic=True, topology="allreduce")
+    with pytest.raises(TypeError, match="elastic must be a bool"):
+        FGDiLoCo(model, inner, sync_every=2, elastic="yes")
+    with pytest.raises(ValueError, match="FGDILOCO_STORE"):
+        FGDiLoCo(model, inner, sync_every=2, elastic=True)
