@@ -256,10 +256,16 @@ class Transport(abc.ABC):
         past the round of an exchange will never come to it."""
         return None
 
+    def peer_rounds(self) -> dict[int, int]:
+        """The outer round each peer in the job (joined, not departed) last said it started
+        (:meth:`publish_round`). Default: none known."""
+        return {}
+
     def live_round(self) -> int | None:
-        """The newest outer round any peer has started (None: not known): a worker that restarted, or hung and
-        came back, joins the job there (``FGDiLoCo.rejoin``). Default: not known."""
-        return None
+        """The newest outer round a peer in the job has started (None: not known): a worker that restarted, or
+        hung and came back, joins the job there (``FGDiLoCo.rejoin``)."""
+        rounds = self.peer_rounds()
+        return max(rounds.values()) if rounds else None
 
     def request_state(self) -> None:  # noqa: B027 - optional hook
         """Ask the live peers for their state (a worker that joins without one of its own): the first peer to
@@ -548,12 +554,13 @@ class DistributedTransport(Transport):
         still answer a state request."""
         return any(self._peer_gone(store, r, since) is None for r in range(self.world_size) if r != self.rank)
 
-    def live_round(self) -> int | None:
-        if not self.elastic or self.world_size == 1:
-            return None
+    def peer_rounds(self) -> dict[int, int]:
+        if not self.elastic:
+            return {}
         store = self._stores.acquire()
         try:
-            return max(store.add(self._round_key(r), 0) for r in range(self.world_size) if r != self.rank)
+            return {r: store.add(self._round_key(r), 0) for r in range(self.world_size)
+                    if r != self.rank and store.add(self._alive_key(r), 0) > 0 and store.add(self._left_key(r), 0) == 0}
         finally:
             self._stores.release(store)
 

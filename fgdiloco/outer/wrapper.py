@@ -518,16 +518,22 @@ class FGDiLoCo:
 
     @torch.no_grad()
     def _catch_up(self, behind: int, adopt: bool = False) -> None:
-        """Move to the live round when it is at least ``behind`` rounds ahead (see :meth:`rejoin`); ``adopt``:
-        take a live peer's round-start parameters and outer momentum first (a worker with no state of its own)."""
+        """Join the live round (the newest a peer has started) when it is at least ``behind`` rounds ahead (see
+        :meth:`rejoin`); for ``behind > 1`` (has this worker fallen behind?) the lag is measured against the
+        peers' median round, so a worker that lost a few seconds to a dead peer while two others went on is
+        waited for, not moved. ``adopt``: take a live peer's round-start parameters and outer momentum first (a
+        worker with no state of its own)."""
         if self.transport is None:
             return
         try:
-            live = self.transport.live_round()
+            rounds = sorted(self.transport.peer_rounds().values())
         except Exception as err:  # noqa: BLE001 - a store we cannot reach: stay where we are
-            log.debug("fgdiloco: could not read the live round: %s", err)
+            log.debug("fgdiloco: could not read the peers' rounds: %s", err)
             return
-        if live is None or live - self._round < behind:
+        if not rounds:
+            return
+        live = rounds[-1] if behind <= 1 else rounds[(len(rounds) - 1) // 2]
+        if live - self._round < behind:
             return
         if adopt and self._adopt():
             return
