@@ -198,6 +198,7 @@ class _FGDiLoCoStrategyMixin:
         self._fgdiloco_kwargs = knobs
         self._broadcast_init = broadcast_init
         self._fgdiloco: FGDiLoCo | None = None
+        self._saved_as: dict[str, str] = {}  # save_checkpoint: a rank's own checkpoint path -> rank 0's
         self._resume_state: dict[str, Any] | None = None
         self._patched_loop: Any = None
         self._stages = stages
@@ -516,8 +517,16 @@ class _FGDiLoCoStrategyMixin:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Rank 0 writes ``filepath`` (its replica + metadata), every other rank its part (module docstring)."""
+        """Rank 0 writes ``filepath`` (its replica + metadata), every other rank its part (module docstring).
+
+        The parts go beside rank 0's ``filepath`` (broadcast): when the ranks' epochs differ in length,
+        ``ModelCheckpoint`` names the same epoch-end checkpoint after each rank's own step (``step=12`` on rank 0,
+        ``step=9`` on rank 1), and parts under rank-local names could not be resumed."""
         fgd = self._fgdiloco
+        if fgd is not None and self.world_size > 1:  # type: ignore[attr-defined]
+            own = os.fspath(filepath)
+            filepath = self.broadcast(own, src=0)  # type: ignore[attr-defined]
+            self._saved_as[own] = filepath
         if fgd is not None:
             full = "optimizer_states" in checkpoint  # False for weights-only checkpoints
             state = None
@@ -552,6 +561,7 @@ class _FGDiLoCoStrategyMixin:
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[misc]
 
     def remove_checkpoint(self, filepath: Any) -> None:
+        filepath = self._saved_as.pop(os.fspath(filepath), filepath)  # where save_checkpoint really put it
         super().remove_checkpoint(filepath)  # type: ignore[misc]
         if self.global_rank != 0:  # type: ignore[attr-defined]
             part = replica_checkpoint_path(filepath, self.global_rank)  # type: ignore[attr-defined]

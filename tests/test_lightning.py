@@ -234,6 +234,22 @@ def _read_csv(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
+def test_epoch_end_checkpoints_are_complete_when_the_ranks_epochs_differ_in_length(tmp_path):
+    """Rank 0 trains 12 steps per epoch, rank 1 9 (no DistributedSampler): ModelCheckpoint names each epoch-end
+    checkpoint after the rank's own step, so rank 1's part must go beside rank 0's file, and old ones must be
+    removed with it; the checkpoint resumes."""
+    common = ("--samples", "96", "--uneven", "72", "--batch-size", "8", "--sync-every", "4", "--timeout", "5",
+              "--ckpt-name", "{epoch}-{step}", "--ckpt-dir", str(tmp_path / "ckpt"))
+    _launch(tmp_path / "run", *common, "--max-epochs", "2", devices=2)
+    main = sorted(p.name for p in (tmp_path / "ckpt").glob("*.ckpt"))
+    assert main == ["epoch=1-step=24.ckpt"], main  # save_top_k=1: the epoch-0 checkpoint was replaced
+    assert [p.name for p in (tmp_path / "ckpt").glob("*.replicas")] == ["epoch=1-step=24.ckpt.replicas"]
+    assert Path(replica_checkpoint_path(tmp_path / "ckpt" / main[0], 1)).is_file()
+    again = _launch(tmp_path / "again", *common[:-2], "--max-epochs", "3", "--resume",
+                    str(tmp_path / "ckpt" / main[0]), devices=2)
+    assert again[0]["global_step"] == 36 and again[1]["global_step"] == 24 + 9
+
+
 def test_four_replicas_default_strategy_resume_and_monitor(tmp_path):
     """4 processes with ``strategy="fgdiloco"`` (defaults: H=50, random gossip). 2400 samples / (4 x 8) = 75 steps
     per epoch, so the epoch-end checkpoint falls 25 steps into round 1. The resumed run must give the same

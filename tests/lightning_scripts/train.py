@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--samples", type=int, default=96)
+    p.add_argument("--uneven", type=int, default=None,
+                   help="ranks >= 1 train on this many samples (rank 0 on --samples), without DistributedSampler")
+    p.add_argument("--timeout", type=float, default=30.0, help="FGDiLoCo's gossip timeout")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-epochs", type=int, default=1)
     p.add_argument("--max-steps", type=int, default=-1)
@@ -77,6 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--csv", default=None, help="CSVLogger directory")
     p.add_argument("--ckpt-dir", default=None, help="ModelCheckpoint at every epoch end (save_top_k=1)")
     p.add_argument("--keep-checkpoints", action="store_true", help="ModelCheckpoint(save_top_k=-1): keep all")
+    p.add_argument("--ckpt-name", default="{epoch}", help="ModelCheckpoint's filename")
     p.add_argument("--resume", default=None, help="ckpt_path for trainer.fit")
     p.add_argument("--validate-ckpt", default=None, help="after fit: trainer.validate(ckpt_path=...)")
     p.add_argument("--growth-patience", type=int, default=5)
@@ -133,6 +137,8 @@ def main(argv: list[str] | None = None) -> None:
 
         def train_dataloader(self):
             # Lightning replaces the sampler by DistributedSampler(shuffle=True, seed=0) and sets its epoch
+            if args.uneven is not None and self.global_rank > 0:
+                return DataLoader(make_dataset(args.uneven), batch_size=args.batch_size)
             return DataLoader(make_dataset(args.samples), batch_size=args.batch_size)
 
     class Recorder(pl.Callback):
@@ -202,12 +208,12 @@ def main(argv: list[str] | None = None) -> None:
         pipeline = {} if not args.stages else dict(pipeline_stages=args.stages, n_microbatches=args.microbatches,
                                                     pipeline_schedule=args.schedule)
         strategy = FGDiLoCoStrategy(sync_every=args.sync_every, topology=args.topology, outer_lr=args.outer_lr,
-                                    mix2_rounds=args.mix2_rounds, seed=args.seed, timeout=30.0, **pipeline)
+                                    mix2_rounds=args.mix2_rounds, seed=args.seed, timeout=args.timeout, **pipeline)
     recorder = Recorder()
     monitor = GossipMonitor(growth_patience=args.growth_patience)
     callbacks = [recorder, monitor]
     if args.ckpt_dir:
-        callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, filename="{epoch}",
+        callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, filename=args.ckpt_name,
                                          save_top_k=-1 if args.keep_checkpoints else 1,
                                          every_n_epochs=1, save_last=False))
     trainer = pl.Trainer(
@@ -223,6 +229,7 @@ def main(argv: list[str] | None = None) -> None:
         enable_model_summary=False,
         enable_progress_bar=False,
         log_every_n_steps=1,
+        use_distributed_sampler=args.uneven is None,
         num_sanity_val_steps=0,
         **({"limit_val_batches": 0} if args.stages and not args.val else {}),
     )
