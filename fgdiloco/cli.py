@@ -495,9 +495,10 @@ def run_launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
 
 def _as_flag(message: str) -> str:
-    """``"max_restarts must be ..."`` -> ``"--max-restarts must be ..."``."""
+    """``"max_restarts must be ..."`` -> ``"--max-restarts must be ..."`` (for ``fgdiloco launch``'s options)."""
     head, _, rest = message.partition(" ")
-    return f"--{head.replace('_', '-')} {rest}" if head.isidentifier() else message
+    flags = {"workers", "max_restarts", "store", "slots", "first_worker", "job"}
+    return f"--{head.replace('_', '-')} {rest}" if head in flags else message
 
 
 def build_parser() -> argparse.ArgumentParser:
