@@ -230,3 +230,16 @@ def test_elastic_arguments_that_cannot_hold_are_refused():
         FGDiLoCo(model, inner, sync_every=2, elastic="yes")
     with pytest.raises(ValueError, match="FGDILOCO_STORE"):
         FGDiLoCo(model, inner, sync_every=2, elastic=True)
+
+
+def test_launch_and_store_refuse_bad_options_with_one_line(capsys):
+    from fgdiloco.cli import main
+
+    for argv, text in ((["launch", "--workers", "0", "x.py"], "--workers must be an int >= 1, got 0"),
+                       (["launch", "--workers", "2"], "script must name the worker's script"),
+                       (["launch", "--store", "nohost", "x.py"], "--store must be HOST:PORT"),
+                       (["launch", "--slots", "1", "--workers", "2", "x.py"], "--slots must be an int >= "),
+                       (["store", "--port", "99999"], "port must be an int in [0, 65536)")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert text in err and len(err.strip().splitlines()) == 1, err
