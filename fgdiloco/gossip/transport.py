@@ -719,6 +719,8 @@ class DistributedTransport(Transport):
             with contextlib.suppress(Exception):  # a failed preparation has nothing left to release
                 job.result()
         self._stop.set()
+        if self._heartbeat is not threading.current_thread():  # not inside a store call when the process exits
+            self._heartbeat.join(timeout=2 * HEARTBEAT_SECONDS + 5.0)
 
     def _check_peer(self, peer: int) -> None:
         if peer == self.rank or not 0 <= peer < self.world_size:

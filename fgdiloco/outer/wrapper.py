@@ -55,9 +55,12 @@ _STATE_KEYS_BY_VERSION = {1: ("outer",), 2: ("momentum",), 3: ("momentum", "para
 _LIVE: weakref.WeakSet[FGDiLoCo] = weakref.WeakSet()
 
 
+_EXIT_WAIT = [0.0]  # the longest timeout of any wrapper built in this process: the most an exchange can still run
+
+
 @atexit.register
 def _drain_at_exit() -> None:
-    limit = max((opt.timeout for opt in _LIVE), default=0.0)
+    limit = _EXIT_WAIT[0]
     for opt in list(_LIVE):
         opt.close()
     if limit:  # exchanges given up on may still be inside Gloo: let them end (each within its timeout)
@@ -350,6 +353,7 @@ class FGDiLoCo:
         self._hooks = [inner_optimizer.register_step_pre_hook(self._pre_step),
                        inner_optimizer.register_step_post_hook(self._post_step)]
         _LIVE.add(self)
+        _EXIT_WAIT[0] = max(_EXIT_WAIT[0], self.timeout)
         if self.world_size > 1:
             _install_sigterm_handler()
 
