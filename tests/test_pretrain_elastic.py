@@ -224,3 +224,26 @@ def test_help_says_which_methods_are_elastic_and_the_new_options():
     assert set(SUMMARY_FIELDS) >= {"restarts", "rejoins", "rejoin_events", "workers_lost"}
     assert TrainConfig().elastic and not TrainConfig(baseline="ddp").elastic
     assert not TrainConfig(workers=4, stages=2).elastic and not TrainConfig(topology="allreduce").elastic
+
+
+def test_an_interrupted_elastic_run_is_summarised_with_its_restarts_and_rejoins(tmp_path):
+    from fgdiloco.pretrain.launcher import finish_interrupted
+
+    (tmp_path / "workers").mkdir()
+    info = {"run_id": "r1", "method": "fgdiloco", "elastic": True, "workers": 2, "rounds_planned": 5,
+            "steps_planned": 50, "params": 1, "vocab_size": 300, "train_tokens": 1, "val_tokens": 1,
+            "unigram_loss": 5.0, "data": "x", "title": "t", "config": {}, "tokens_per_step": 7}
+    (tmp_path / "run.json").write_text(json.dumps(info))
+    rejoin = {"event": "rejoin", "worker": 1, "life": 1, "round": 2, "from_round": 0, "step": 20, "time": 3.0}
+    _write(tmp_path / "workers" / "worker1.jsonl", {"event": "start", "worker": 1, "life": 1, "info": info},
+           rejoin, _row(1, 3, 4.0, life=1))
+    _write(tmp_path / "workers" / "worker0.jsonl", _row(0, 3, 4.5))
+    m = Merger(tmp_path / "workers", 2, [0, 3], sync_every=10, steps=50)
+    m.read()
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for r in m.ready(gone={0, 1}):
+            f.write(json.dumps(r) + "\n")
+    s = finish_interrupted(tmp_path)
+    assert s["interrupted"] is True and s["rounds"] == 3 and s["restarts"] == 1 and s["rejoins"] == 1
+    assert s["rejoin_events"] == [{k: v for k, v in rejoin.items() if k != "event"}]
+    assert s["peak_rss_bytes"] == 1001 and (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"

@@ -7,10 +7,14 @@
   warning.
 * :func:`choose_output`: a folder never receives a run while it holds another run's results: the default folder
   becomes a fresh numbered one (``runs/pretrain-2``, ...), an explicit one needs ``overwrite``.
-* :func:`launch`: torchelastic (what ``torchrun --standalone`` runs) starts the workers with their stdout and stderr
-  in ``<out>/logs/``; a failed worker becomes one :class:`WorkerFailed` with the root cause (a SIGKILL: "killed by
-  the system, probably out of memory") and the log file holding its traceback. ``on_row`` sees every
-  ``metrics.jsonl`` row as rank 0 writes it (the command's progress display).
+* :func:`launch`: an elastic configuration (FG-DiLoCo, one stage, a gossip topology) runs on elastic workers
+  (:func:`launch_elastic`: each worker its own ``torchrun`` job with restarts, on a gossip store this process
+  serves; a dead worker is restarted from its checkpoint and rejoins; this process merges the workers' reports into
+  ``metrics.jsonl``, ``summary.json`` and ``loss.png``); baselines and pipeline stages run as one torchelastic job
+  (:func:`launch_group`: one death ends the job). The workers' output is in ``<out>/logs/``; a job that failed
+  becomes one :class:`WorkerFailed` with the root cause (a SIGKILL: "killed by the system, probably out of
+  memory") and the log file holding its traceback. ``on_row`` sees every ``metrics.jsonl`` row as it is written
+  (the command's progress display).
 * :func:`finish_interrupted`: after Ctrl-C, ``summary.json`` (``"interrupted": true``) and ``loss.png`` for the
   rounds done, from ``run.json`` and ``metrics.jsonl``.
 """
@@ -676,9 +680,19 @@ def finish_interrupted(out: str | os.PathLike[str]) -> dict[str, Any] | None:
         if done.get("run_id") == info.get("run_id") and not done.get("interrupted"):
             return done
     rows = read_rows(folder / "metrics.jsonl")
-    summary = summarise(info, rows, interrupted=True)
+    extra, rejoins = None, None
+    if info.get("elastic") and (folder / "workers").is_dir():  # restarts and rejoins from the workers' reports
+        from .merge import Merger
+
+        m = Merger(folder / "workers", int(info["workers"]), [], sync_every=1, steps=0)
+        m.read()
+        rejoins = m.rejoin_events
+        extra = {"restarts": m.restarts, "rejoins": len(rejoins), "rejoin_events": rejoins,
+                 "peak_rss_bytes": m.peak_rss_bytes}
+    summary = summarise(info, rows, interrupted=True, extra=extra)
     write_json(folder / "summary.json", summary)
     if rows:
-        plot(folder, rows, info["unigram_loss"], info["title"] + f" (interrupted after round {rows[-1]['round']})")
+        plot(folder, rows, info["unigram_loss"], info["title"] + f" (interrupted after round {rows[-1]['round']})",
+             rejoins=rejoins)
     return summary
 

@@ -1,6 +1,7 @@
 """What a pretraining run leaves in its output folder, and how it is read back.
 
-Files (all written by rank 0, or by the launching process for an interrupted run):
+Files (written by rank 0 of a one-group job; by the launching process for an elastic job, from the workers'
+reports in ``workers/``, and for an interrupted run):
 
 * ``run.json``: written once the data is loaded, before the first step: the run id, the configuration, the planned
   rounds and steps, model size, vocabulary, token counts, the unigram baseline and the plot title. With
@@ -10,6 +11,9 @@ Files (all written by rank 0, or by the launching process for an interrupted run
   run was stopped before its last step.
 * ``loss.png``: :func:`plot`.
 * ``logs/``: each worker's stdout and stderr (and torchelastic's ``error.json`` of a failed worker).
+* elastic runs: ``config.json`` (the configuration the workers read; ``--resume`` continues it), ``workers/``
+  (each worker's reports, :data:`fgdiloco.pretrain.elastic_worker.EVENTS`), ``checkpoints/`` (each worker's
+  newest checkpoint).
 
 Counting is the same everywhere: ``round`` and ``step`` count what is *done*. ``round`` k (1-based) is the k-th
 outer round, ``round`` 0 the evaluation before training; the command's progress lines print the same numbers.
