@@ -468,9 +468,9 @@ def _failure_reason(log: Path, code: int) -> str:
     return errors[-1].strip() if errors else f"exited with status {last}"
 
 
-def _prepare_resume(out: Path, workers: int) -> int:
+def _prepare_resume(out: Path, workers: int) -> tuple[int, int]:
     """Cut every worker's report file back to its checkpoint's round (a resumed worker continues from there);
-    returns the lowest checkpoint round.
+    returns the lowest and the highest checkpoint round.
 
     Raises:
         PreflightError: a worker has no checkpoint (``--resume`` names the folder).
@@ -487,10 +487,10 @@ def _prepare_resume(out: Path, workers: int) -> int:
                                          f"worker{'s' if len(missing) > 1 else ''} {missing} "
                                          f"{'have' if len(missing) > 1 else 'has'} none (a run writes them every "
                                          "--checkpoint-every rounds)")
-    lowest = None
+    rounds = []
     for k in range(workers):
         rnd = int(torch.load(checkpoint_path(out, k), map_location="cpu", weights_only=False)["round"])
-        lowest = rnd if lowest is None else min(lowest, rnd)
+        rounds.append(rnd)
         path = rows_path(out, k)
         kept = []
         with contextlib.suppress(FileNotFoundError), open(path, encoding="utf-8") as f:
@@ -504,7 +504,7 @@ def _prepare_resume(out: Path, workers: int) -> int:
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text("".join(kept), encoding="utf-8")
         os.replace(tmp, path)
-    return int(lowest or 0)
+    return min(rounds), max(rounds)
 
 
 def launch_elastic(cfg: TrainConfig, *, on_row: Callable[[dict[str, Any]], Any] | None = None,
@@ -543,7 +543,7 @@ def launch_elastic(cfg: TrainConfig, *, on_row: Callable[[dict[str, Any]], Any] 
         GossipStore,
         torchrun_command,
     )
-    from .elastic_worker import rows_path, stop_path
+    from .elastic_worker import START_ROUND_ENV, rows_path, stop_path
     from .merge import Merger
 
     if not cfg.elastic:
@@ -554,7 +554,7 @@ def launch_elastic(cfg: TrainConfig, *, on_row: Callable[[dict[str, Any]], Any] 
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     (out / "workers").mkdir(parents=True, exist_ok=True)
-    quiet_until = _prepare_resume(out, cfg.workers) if resume else -1
+    quiet_until, start_round = _prepare_resume(out, cfg.workers) if resume else (-1, 0)
     for stale in ("summary.json", "loss.png", "metrics.jsonl"):  # rebuilt from the workers' reports
         with contextlib.suppress(FileNotFoundError):
             (out / stale).unlink()
@@ -588,6 +588,7 @@ def launch_elastic(cfg: TrainConfig, *, on_row: Callable[[dict[str, Any]], Any] 
     env.update({"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", STORE_ENV: store.address,
                 WORKERS_ENV: str(cfg.workers), MIN_WORKERS_ENV: str(cfg.workers), JOB_ENV: "pretrain"})
     env.pop("TORCHELASTIC_RESTART_COUNT", None)
+    env[START_ROUND_ENV] = str(start_round)  # resumed workers all start there (their checkpoints may differ)
     procs: list[subprocess.Popen[bytes]] = []
     files = []
     saved_term = signal.getsignal(signal.SIGTERM)
