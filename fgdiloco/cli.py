@@ -72,7 +72,8 @@ PRETRAIN_OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("workers and synchronisation", "stages",
      {"type": _positive_int, "help": "pipeline stages S per replica (must divide --workers, at most --n-layer): "
                                      "each replica is S workers holding GPT.split(S), run with the 1F1B schedule; "
-                                     "gossip mixes the same stage of the replicas"}),
+                                     "gossip mixes the same stage of the replicas. S > 1 is not elastic: one "
+                                     "torchelastic job, one death ends the job"}),
     ("workers and synchronisation", "microbatches",
      {"type": _positive_int, "help": "microbatches per batch with --stages > 1 (must divide --batch-size, at "
                                      "least --stages)"}),
@@ -91,8 +92,17 @@ PRETRAIN_OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("workers and synchronisation", "baseline",
      {"choices": ["ddp", "localsgd"], "help": "train a comparison instead: 'ddp' (DistributedDataParallel, "
                                               "gradients all-reduced every step) or 'localsgd' (PyTorch's "
-                                              "PeriodicModelAverager every --sync-every steps)"}),
+                                              "PeriodicModelAverager every --sync-every steps). Not elastic: one "
+                                              "torchelastic job, one death ends the job"}),
     ("workers and synchronisation", "timeout", {"type": _positive_float, "help": "seconds per gossip exchange"}),
+    ("elastic workers (FG-DiLoCo, --stages 1, a gossip topology)", "max_restarts",
+     {"type": _count, "help": "torchrun restarts of each worker before it is given up (each worker is its own "
+                              "torchrun job: a dead worker is restarted, continues from its checkpoint and rejoins "
+                              "at the live round; the others never stop)"}),
+    ("elastic workers (FG-DiLoCo, --stages 1, a gossip topology)", "checkpoint_every",
+     {"type": _positive_int, "metavar": "R", "help": "outer rounds between each worker's checkpoints "
+                                                     "(--out/checkpoints/worker<k>.pt, atomic; also after the "
+                                                     "last round)"}),
     ("inner optimizer and batches", "lr", {"type": _positive_float, "help": "AdamW peak learning rate"}),
     ("inner optimizer and batches", "warmup_steps", {"type": _count, "help": "linear warm-up steps"}),
     ("inner optimizer and batches", "weight_decay", {"type": float, "help": "AdamW weight decay"}),
@@ -121,6 +131,9 @@ PRETRAIN_OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("output", "seed", {"type": _count, "help": "random seed (model, batches, gossip schedule)"}),
     ("output", "eval_every", {"type": _positive_int, "help": "outer rounds between evaluations"}),
     ("output", "eval_batches", {"type": _positive_int, "help": "held-out batches per evaluation"}),
+    ("output", "max_seconds", {"type": _positive_float, "metavar": "S",
+                               "help": "stop after the evaluation point at which a worker's training time (evaluation "
+                                       "excluded) passes S seconds (default: no limit)%(default).0s"}),
 )
 
 
@@ -143,9 +156,13 @@ def add_pretrain_parser(subparsers: Any) -> argparse.ArgumentParser:
         "pretrain",
         help="pretrain a small GPT on text with Factored Gossip DiLoCo (local worker processes)",
         description="Pretrain a small nanoGPT-style model on real text with Factored Gossip DiLoCo: --workers local "
-                    "processes (torchelastic, Gloo, OMP_NUM_THREADS=1) each take --steps AdamW steps and gossip "
-                    "every --sync-every steps. Writes run.json, metrics.jsonl (one JSON row per evaluation), "
-                    "summary.json, loss.png and the workers' logs/ to --out. With no arguments it trains on the "
+                    "processes (OMP_NUM_THREADS=1) each take --steps AdamW steps and gossip every --sync-every "
+                    "steps. FG-DiLoCo with --stages 1 runs on elastic workers: each worker is its own torchrun job "
+                    "with --max-restarts, all meet on a gossip store this command serves, a dead worker is "
+                    "restarted from its checkpoint and rejoins without stopping the others. Baselines and "
+                    "--stages > 1 are not elastic (one torchelastic job: one death ends the job). Writes run.json, "
+                    "metrics.jsonl (one JSON row per evaluation), summary.json, loss.png, the workers' reports "
+                    "(workers/), checkpoints/ and logs/ to --out. With no arguments it trains on the "
                     "bundled public-domain corpus in about 3 minutes on 2 CPU cores. Defaults are the library's "
                     "(FGDiLoCo, LowRank) unless the option says why not. Exit status: 0 done, 1 a worker failed, "
                     "2 bad arguments (checked before any worker starts), 130 interrupted (Ctrl-C).",
@@ -169,6 +186,10 @@ def add_pretrain_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--overwrite", action="store_true",
                    help="replace the results of an earlier run in --out (without it, a folder holding another "
                         "run's results is refused)%(default).0s")
+    g.add_argument("--resume", action="store_true",
+                   help="continue the stopped (elastic) run in --out from every worker's newest checkpoint, with "
+                        "its saved configuration (--out/config.json); --max-seconds (training time over all "
+                        "launches), --max-restarts and --quiet are this command's%(default).0s")
     g.add_argument("--quiet", action="store_true",
                    help="print only warnings, errors and the final summary (metrics.jsonl is written as "
                         "always)%(default).0s")
@@ -183,6 +204,51 @@ def _config_from_args(args: argparse.Namespace, out: Path) -> Any:
 
     names = {f.name for f in dataclasses.fields(TrainConfig)} - {"out", "quiet"}
     return TrainConfig(**{k: v for k, v in vars(args).items() if k in names}, out=str(out), quiet=args.quiet)
+
+
+#: TrainConfig fields ``--resume`` takes from its own command line, not the saved run (they limit the run; they do
+#: not change its trajectory). ``--max-seconds`` counts the run's training time over all its launches.
+RESUMABLE = ("max_seconds", "max_restarts")
+
+
+def _resume_config(args: argparse.Namespace) -> tuple[Any, Path]:
+    """The saved configuration of the run in ``--out`` for ``--resume``, with :data:`RESUMABLE` from ``args``.
+
+    Raises:
+        PreflightError: no ``--out``, no saved run there, or an option that differs from the saved run's.
+    """
+    import dataclasses
+    import json
+
+    from .pretrain.launcher import PreflightError
+    from .pretrain.worker import TrainConfig
+
+    if args.out is None:
+        raise PreflightError("--resume", "needs --out DIR: the folder of the run to continue")
+    out = Path(args.out).expanduser()
+    try:
+        saved = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        raise PreflightError("--resume", f"found no run to continue in {str(out)!r} (no readable config.json; an "
+                                         "elastic run writes it when it starts)") from None
+    from .pretrain.elastic_worker import checkpoint_path
+
+    missing = [k for k in range(int(saved.get("workers", 0))) if not checkpoint_path(out, k).is_file()]
+    if missing or not saved.get("workers"):
+        raise PreflightError("--resume", f"found no checkpoint of worker{'s' if len(missing) > 1 else ''} "
+                                         f"{missing} in {out / 'checkpoints'}: nothing to continue from (a run "
+                                         "writes them every --checkpoint-every rounds)")
+    d = TrainConfig()
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    for name in sorted(names - {"out", "quiet", "run_id", *RESUMABLE}):
+        given = getattr(args, name, getattr(d, name))
+        if given != getattr(d, name) and given != saved.get(name):
+            raise PreflightError("--resume", f"continues the saved configuration, but --{name.replace('_', '-')} "
+                                             f"{given!r} differs from the saved {saved.get(name)!r}")
+    for name in RESUMABLE:  # this invocation's limits, not the stopped run's
+        saved[name] = getattr(args, name)
+    saved.update(out=str(out), quiet=args.quiet)
+    return TrainConfig(**{k: v for k, v in saved.items() if k in names}), out
 
 
 # ---------------------------------------------------------------------------------------------------- display
@@ -278,9 +344,16 @@ def run_pretrain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         return 2
 
     try:
-        out, note = choose_output(args.out if args.out is not None else TrainConfig().out,
-                                  explicit=args.out is not None, overwrite=args.overwrite)
-        cfg = _config_from_args(args, out)
+        if args.resume:
+            cfg, out = _resume_config(args)
+            note = None
+            if not cfg.elastic:
+                raise PreflightError("--resume", "needs an elastic run (FG-DiLoCo, --stages 1, a gossip topology); "
+                                                 f"the run in {out} has no checkpoints")
+        else:
+            out, note = choose_output(args.out if args.out is not None else TrainConfig().out,
+                                      explicit=args.out is not None, overwrite=args.overwrite)
+            cfg = _config_from_args(args, out)
         found = preflight(cfg, status=display.status)
     except PreflightError as e:
         return refuse(str(e))
@@ -289,7 +362,7 @@ def run_pretrain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     except KeyboardInterrupt:
         display.err.print("[fgdiloco] interrupted before any worker started; nothing written", markup=False)
         return EXIT_INTERRUPTED
-    if args.overwrite:
+    if args.overwrite and not args.resume:
         clear_outputs(out)
     for w in found["warnings"]:
         display.warn(w)
@@ -304,8 +377,11 @@ def run_pretrain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
                 f"{method}; data: {cfg.data or 'bundled corpus'} ({found['tokens']:,} tokens, vocabulary "
                 f"{found['vocab_size']}); out: {out}")
     try:
-        summary = launch(cfg, on_row=display.row,
+        summary = launch(cfg, on_row=display.row, resume=args.resume,
                          on_start=lambda: display.start_workers(cfg.workers, cfg.rounds, cfg.steps))
+    except PreflightError as e:
+        display.close()
+        return refuse(str(e))
     except WorkerFailed as e:
         display.close()
         display.err.print(f"[fgdiloco] pretrain failed: {e}", markup=False)
@@ -318,6 +394,9 @@ def run_pretrain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         code = 128 + int(getattr(e, "sigval", 0) or 0) if not isinstance(e, KeyboardInterrupt) else EXIT_INTERRUPTED
         return _interrupted(out, display, finish_interrupted, code)
     display.close()
+    for lost in summary.get("workers_lost") or []:
+        display.warn(f"worker {lost['worker']} failed for good (after --max-restarts {cfg.max_restarts}): "
+                     f"{lost['reason']} (its log: {lost['log']}); the others finished")
     display.console.print(_summary_text(summary, out, time.monotonic() - display.t_start), markup=False,
                           highlight=False)
     return 0
@@ -378,8 +457,12 @@ def _summary_text(s: dict[str, Any], out: Path, elapsed: float) -> str:
         lines.append(f"  pipeline        {s['replicas']} replicas x {s['stages']} stages: activations sent "
                      f"{fmt_bytes(s['activation_bytes_sent'])} per worker, bubble "
                      f"{100 * (s['pipeline_bubble'] or 0.0):.1f}% of a step")
+    if s.get("restarts") or s.get("rejoins"):
+        lines.append(f"  elastic         {s['restarts']} worker restart(s), {s['rejoins']} rejoin(s) (marked in "
+                     "loss.png)")
+    extra = ", workers/, checkpoints/" if (out / "checkpoints").is_dir() else ""
     lines += [
-        f"  outputs         {out}/: summary.json, metrics.jsonl, loss.png, run.json, logs/",
+        f"  outputs         {out}/: summary.json, metrics.jsonl, loss.png, run.json, logs/{extra}",
     ]
     return "\n".join(lines)
 

@@ -6,8 +6,11 @@
 * :mod:`fgdiloco.pretrain.data`: ``load_text``, ``build_tokenizer``, ``encode_corpus``, ``split_tokens``,
   ``sample_batch``, ``unigram_loss``; a public-domain default corpus ships in ``corpus/``.
 * :mod:`fgdiloco.pretrain.worker`: ``TrainConfig``, ``train_worker`` (one rank).
-* :mod:`fgdiloco.pretrain.launcher`: ``preflight`` (checks before any worker starts), ``launch`` (local workers via
-  torchelastic), ``finish_interrupted`` (the summary after Ctrl-C); the ``fgdiloco pretrain`` command runs them.
+* :mod:`fgdiloco.pretrain.launcher`: ``preflight`` (checks before any worker starts), ``launch`` (local workers:
+  elastic ones, each its own torchrun job, or one torchelastic job for baselines and pipeline stages),
+  ``finish_interrupted`` (the summary after Ctrl-C); the ``fgdiloco pretrain`` command runs them.
+* :mod:`fgdiloco.pretrain.elastic_worker`: one elastic worker (its reports and checkpoints);
+  :mod:`fgdiloco.pretrain.merge`: ``Merger``, the launcher's merge of the workers' reports into rows.
 * :mod:`fgdiloco.pretrain.results`: what a run writes (``run.json``, ``metrics.jsonl``, ``summary.json``,
   ``loss.png``), the meaning of every field, ``summarise``.
 """

@@ -7,10 +7,14 @@
   warning.
 * :func:`choose_output`: a folder never receives a run while it holds another run's results: the default folder
   becomes a fresh numbered one (``runs/pretrain-2``, ...), an explicit one needs ``overwrite``.
-* :func:`launch`: torchelastic (what ``torchrun --standalone`` runs) starts the workers with their stdout and stderr
-  in ``<out>/logs/``; a failed worker becomes one :class:`WorkerFailed` with the root cause (a SIGKILL: "killed by
-  the system, probably out of memory") and the log file holding its traceback. ``on_row`` sees every
-  ``metrics.jsonl`` row as rank 0 writes it (the command's progress display).
+* :func:`launch`: an elastic configuration (FG-DiLoCo, one stage, a gossip topology) runs on elastic workers
+  (:func:`launch_elastic`: each worker its own ``torchrun`` job with restarts, on a gossip store this process
+  serves; a dead worker is restarted from its checkpoint and rejoins; this process merges the workers' reports into
+  ``metrics.jsonl``, ``summary.json`` and ``loss.png``); baselines and pipeline stages run as one torchelastic job
+  (:func:`launch_group`: one death ends the job). The workers' output is in ``<out>/logs/``; a job that failed
+  becomes one :class:`WorkerFailed` with the root cause (a SIGKILL: "killed by the system, probably out of
+  memory") and the log file holding its traceback. ``on_row`` sees every ``metrics.jsonl`` row as it is written
+  (the command's progress display).
 * :func:`finish_interrupted`: after Ctrl-C, ``summary.json`` (``"interrupted": true``) and ``loss.png`` for the
   rounds done, from ``run.json`` and ``metrics.jsonl``.
 """
@@ -343,9 +347,28 @@ def _interrupt_once(signum: int, frame: Any) -> None:
 
 
 def launch(cfg: TrainConfig, *, on_row: Callable[[dict[str, Any]], Any] | None = None,
-           on_start: Callable[[], Any] | None = None) -> dict[str, Any]:
-    """Start ``cfg.workers`` local worker processes with torchelastic (``torchrun --standalone``'s engine) and
-    return rank 0's summary.
+           on_start: Callable[[], Any] | None = None, resume: bool = False) -> dict[str, Any]:
+    """Run the job on ``cfg.workers`` local worker processes and return its summary.
+
+    An elastic configuration (:attr:`TrainConfig.elastic`: FG-DiLoCo, one stage, a gossip topology) runs on
+    elastic workers (:func:`launch_elastic`: each worker its own ``torchrun`` job with ``cfg.max_restarts``
+    restarts; a dead worker never ends the job; ``resume``: continue from every worker's checkpoint). Any other
+    (baselines, ``stages > 1``, ``"allreduce"``) runs as one torchelastic job (:func:`launch_group`), where one
+    worker's death ends the job.
+    """
+    if cfg.elastic:
+        return launch_elastic(cfg, on_row=on_row, on_start=on_start, resume=resume)
+    if resume:
+        raise ValueError("resume needs an elastic run (FG-DiLoCo with --stages 1 and a gossip topology); "
+                         f"baseline={cfg.baseline!r}, stages={cfg.stages}, topology={cfg.topology!r} has no "
+                         "checkpoints")
+    return launch_group(cfg, on_row=on_row, on_start=on_start)
+
+
+def launch_group(cfg: TrainConfig, *, on_row: Callable[[dict[str, Any]], Any] | None = None,
+                 on_start: Callable[[], Any] | None = None) -> dict[str, Any]:
+    """Start ``cfg.workers`` local worker processes as ONE torchelastic job (``torchrun --standalone``'s engine,
+    no restarts: one worker's death ends the job) and return rank 0's summary.
 
     Each worker runs :func:`~fgdiloco.pretrain.worker.train_worker` with ``OMP_NUM_THREADS=1``; its stdout and
     stderr go to ``<cfg.out>/logs/<run>/attempt_0/<rank>/``. Rendezvous is ``c10d`` on ``localhost`` on a port the
@@ -418,6 +441,228 @@ def launch(cfg: TrainConfig, *, on_row: Callable[[dict[str, Any]], Any] | None =
     return results[0]
 
 
+# ---------------------------------------------------------------------------------------------------- elastic
+def eval_points(cfg: TrainConfig) -> list[int]:
+    """The rounds done at which a run evaluates: 0, every ``eval_every``-th, and the last."""
+    return [0] + [r for r in range(1, cfg.rounds + 1) if r % cfg.eval_every == 0 or r == cfg.rounds]
+
+
+def _failure_reason(log: Path, code: int) -> str:
+    """One line on why a worker's torchrun job failed for good, from its log (torchrun's failure report, or the
+    worker's last exception)."""
+    import re
+
+    try:
+        text = log.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        text = ""
+    exits = re.findall(r"exitcode\s*:\s*(-?\d+)", text)
+    last = int(exits[-1]) if exits else code
+    if last == -signal.SIGKILL:
+        return "killed by the system (SIGKILL), probably out of memory"
+    if last < 0:
+        with contextlib.suppress(ValueError):
+            return f"stopped by signal {signal.Signals(-last).name}"
+    errors = [m for m in re.findall(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)\b.*)$", text, re.M)
+              if "ChildFailedError" not in m]
+    return errors[-1].strip() if errors else f"exited with status {last}"
+
+
+def _prepare_resume(out: Path, workers: int) -> tuple[int, int]:
+    """Cut every worker's report file back to its checkpoint's round (a resumed worker continues from there);
+    returns the lowest and the highest checkpoint round.
+
+    Raises:
+        PreflightError: a worker has no checkpoint (``--resume`` names the folder).
+    """
+    import json
+
+    import torch
+
+    from .elastic_worker import checkpoint_path, rows_path
+
+    missing = [k for k in range(workers) if not checkpoint_path(out, k).is_file()]
+    if missing:
+        raise PreflightError("--resume", f"needs a checkpoint of every worker in {out / 'checkpoints'}, but "
+                                         f"worker{'s' if len(missing) > 1 else ''} {missing} "
+                                         f"{'have' if len(missing) > 1 else 'has'} none (a run writes them every "
+                                         "--checkpoint-every rounds)")
+    rounds = []
+    for k in range(workers):
+        rnd = int(torch.load(checkpoint_path(out, k), map_location="cpu", weights_only=False)["round"])
+        rounds.append(rnd)
+        path = rows_path(out, k)
+        kept = []
+        with contextlib.suppress(FileNotFoundError), open(path, encoding="utf-8") as f:
+            for line in f:
+                with contextlib.suppress(ValueError):
+                    ev = json.loads(line)
+                    kind = ev.get("event")
+                    if kind == "start" or (kind in ("row", "rejoin") and int(ev["round"]) <= rnd):  # "end": not now
+                        kept.append(json.dumps(ev) + "\n")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(kept), encoding="utf-8")
+        os.replace(tmp, path)
+    return min(rounds), max(rounds)
+
+
+def launch_elastic(cfg: TrainConfig, *, on_row: Callable[[dict[str, Any]], Any] | None = None,
+                   on_start: Callable[[], Any] | None = None, resume: bool = False) -> dict[str, Any]:
+    """Run ``cfg.workers`` elastic workers (DESIGN §6) and return the run's summary.
+
+    This process serves the gossip store (:class:`fgdiloco.elastic.GossipStore`) and starts every worker slot as
+    its own single-process ``torchrun`` job (:func:`fgdiloco.elastic.torchrun_command`, ``--max-restarts
+    cfg.max_restarts``) running :mod:`fgdiloco.pretrain.elastic_worker` on ``<out>/config.json``; worker k's
+    output (its agent's too) goes to ``<out>/logs/worker<k>.log``. A worker that dies is restarted by its agent,
+    continues from its checkpoint (or the seeded init) and rejoins at the live round; the others never stop for
+    it. Meanwhile this process merges the workers' reports into ``metrics.jsonl`` (``on_row`` sees each row) and
+    at the end writes ``summary.json`` (with ``restarts`` and ``rejoins``) and ``loss.png`` (rejoins marked).
+
+    ``resume``: continue a stopped run in ``cfg.out`` from every worker's checkpoint (same ``run_id``).
+
+    Raises:
+        ValueError: an invalid or non-elastic configuration.
+        PreflightError: ``resume`` without a checkpoint of every worker.
+        WorkerFailed: every worker failed for good (the lowest slot's cause and log).
+        KeyboardInterrupt or ``SignalException``: SIGINT / SIGTERM reached this process; the workers were
+            stopped, the complete rows written (:func:`finish_interrupted` summarises them).
+    """
+    import json
+    import subprocess
+    import time
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from ..elastic import (
+        JOB_ENV,
+        MIN_WORKERS_ENV,
+        STORE_ENV,
+        WORKER_ENV,
+        WORKERS_ENV,
+        GossipStore,
+        torchrun_command,
+    )
+    from .elastic_worker import START_ROUND_ENV, rows_path, stop_path
+    from .merge import Merger
+
+    if not cfg.elastic:
+        raise ValueError("launch_elastic runs FG-DiLoCo with stages=1 and a gossip topology; use launch_group")
+    cfg = dataclasses.replace(cfg, run_id=cfg.run_id or uuid.uuid4().hex[:12], quiet=True)
+    cfg.validate()
+    out = Path(cfg.out)
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    (out / "workers").mkdir(parents=True, exist_ok=True)
+    quiet_until, start_round = _prepare_resume(out, cfg.workers) if resume else (-1, 0)
+    for stale in ("summary.json", "loss.png", "metrics.jsonl"):  # rebuilt from the workers' reports
+        with contextlib.suppress(FileNotFoundError):
+            (out / stale).unlink()
+    if not resume:
+        for k in range(cfg.workers):
+            with contextlib.suppress(FileNotFoundError):
+                rows_path(out, k).unlink()
+    with contextlib.suppress(FileNotFoundError):
+        stop_path(out).unlink()
+    config_path = out / "config.json"
+    write_json(config_path, dataclasses.asdict(cfg))
+
+    merger = Merger(out / "workers", cfg.workers, eval_points(cfg), sync_every=cfg.sync_every, steps=cfg.steps)
+    metrics = open(out / "metrics.jsonl", "w", encoding="utf-8")  # noqa: SIM115 - closed below
+    wrote_info = [False]
+
+    def pump(gone: set[int]) -> None:
+        merger.read()
+        if merger.info is not None and not wrote_info[0]:
+            info = {k: v for k, v in merger.info.items() if k != "_worker"}
+            write_json(out / "run.json", info)
+            wrote_info[0] = True
+        for row in merger.ready(gone):
+            metrics.write(json.dumps(row) + "\n")
+            metrics.flush()
+            if on_row is not None and row["round"] > quiet_until:
+                on_row(row)
+
+    store = GossipStore("127.0.0.1", 0)
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", STORE_ENV: store.address,
+                WORKERS_ENV: str(cfg.workers), MIN_WORKERS_ENV: str(cfg.workers), JOB_ENV: "pretrain"})
+    env.pop("TORCHELASTIC_RESTART_COUNT", None)
+    env[START_ROUND_ENV] = str(start_round)  # resumed workers all start there (their checkpoints may differ)
+    procs: list[subprocess.Popen[bytes]] = []
+    files = []
+    saved_term = signal.getsignal(signal.SIGTERM)
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        if on_start is not None:
+            on_start()
+        cmd = torchrun_command(["-m", "fgdiloco.pretrain.elastic_worker", str(config_path)],
+                               max_restarts=cfg.max_restarts)
+        for k in range(cfg.workers):
+            f = open(logs / f"worker{k}.log", "ab")  # noqa: SIM115 - closed below
+            files.append(f)
+            procs.append(subprocess.Popen(cmd, env={**env, WORKER_ENV: str(k)}, stdout=f, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL))
+        while True:
+            gone = {k for k, p in enumerate(procs) if p.poll() is not None}
+            pump(gone)
+            if len(gone) == len(procs):
+                break
+            time.sleep(0.2)
+    except BaseException as e:
+        stop_sig = signal.SIGTERM if isinstance(e, SignalException) else signal.SIGINT
+        for p in procs:  # a terminal's Ctrl-C reached the whole group already; make sure every agent hears it
+            if p.poll() is None:
+                with contextlib.suppress(OSError):
+                    p.send_signal(stop_sig)
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        with contextlib.suppress(Exception):
+            pump(set(range(len(procs))))
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, saved_term)
+        metrics.close()
+        for f in files:
+            f.close()
+        store.close()
+    codes = [p.returncode for p in procs]
+    lost = [k for k, c in enumerate(codes) if c != 0]
+    if len(lost) == len(procs) or not merger.merged:
+        k = lost[0] if lost else 0
+        reason = _failure_reason(logs / f"worker{k}.log", codes[k])
+        raise WorkerFailed(k, reason, logs / f"worker{k}.log", traceback=not reason.startswith(("killed", "stopped")))
+    info = {k: v for k, v in (merger.info or {}).items() if k != "_worker"}
+    rows = merger.merged
+    last = rows[-1]
+    summary = summarise(info, rows, extra={
+        "rank": 0,
+        "wall_seconds": last["wall_seconds"],
+        "train_seconds": last["train_seconds"],
+        "eval_seconds": last["wall_seconds"] - last["train_seconds"],
+        "peak_rss_bytes": merger.peak_rss_bytes,
+        "restarts": merger.restarts,
+        "rejoins": len(merger.rejoin_events),
+        "rejoin_events": merger.rejoin_events,
+        "workers_lost": [{"worker": k, "reason": _failure_reason(logs / f"worker{k}.log", codes[k]),
+                          "log": str(logs / f"worker{k}.log")} for k in lost],
+        "resumed": resume,
+    })
+    write_json(out / "summary.json", summary)
+    plot(out, rows, info["unigram_loss"], info["title"], rejoins=merger.rejoin_events)
+    summary.update(metrics_path=str(out / "metrics.jsonl"), plot_path=str(out / "loss.png"),
+                   summary_path=str(out / "summary.json"))
+    return summary
+
+
 # ---------------------------------------------------------------------------------------------------- interrupted
 def finish_interrupted(out: str | os.PathLike[str]) -> dict[str, Any] | None:
     """Summarise a run that was stopped: ``summary.json`` marked ``"interrupted": true`` and ``loss.png`` for the
@@ -436,9 +681,19 @@ def finish_interrupted(out: str | os.PathLike[str]) -> dict[str, Any] | None:
         if done.get("run_id") == info.get("run_id") and not done.get("interrupted"):
             return done
     rows = read_rows(folder / "metrics.jsonl")
-    summary = summarise(info, rows, interrupted=True)
+    extra, rejoins = None, None
+    if info.get("elastic") and (folder / "workers").is_dir():  # restarts and rejoins from the workers' reports
+        from .merge import Merger
+
+        m = Merger(folder / "workers", int(info["workers"]), [], sync_every=1, steps=0)
+        m.read()
+        rejoins = m.rejoin_events
+        extra = {"restarts": m.restarts, "rejoins": len(rejoins), "rejoin_events": rejoins,
+                 "peak_rss_bytes": m.peak_rss_bytes}
+    summary = summarise(info, rows, interrupted=True, extra=extra)
     write_json(folder / "summary.json", summary)
     if rows:
-        plot(folder, rows, info["unigram_loss"], info["title"] + f" (interrupted after round {rows[-1]['round']})")
+        plot(folder, rows, info["unigram_loss"], info["title"] + f" (interrupted after round {rows[-1]['round']})",
+             rejoins=rejoins)
     return summary
 

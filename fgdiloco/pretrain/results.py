@@ -1,6 +1,7 @@
 """What a pretraining run leaves in its output folder, and how it is read back.
 
-Files (all written by rank 0, or by the launching process for an interrupted run):
+Files (written by rank 0 of a one-group job; by the launching process for an elastic job, from the workers'
+reports in ``workers/``, and for an interrupted run):
 
 * ``run.json``: written once the data is loaded, before the first step: the run id, the configuration, the planned
   rounds and steps, model size, vocabulary, token counts, the unigram baseline and the plot title. With
@@ -10,6 +11,9 @@ Files (all written by rank 0, or by the launching process for an interrupted run
   run was stopped before its last step.
 * ``loss.png``: :func:`plot`.
 * ``logs/``: each worker's stdout and stderr (and torchelastic's ``error.json`` of a failed worker).
+* elastic runs: ``config.json`` (the configuration the workers read; ``--resume`` continues it), ``workers/``
+  (each worker's reports, :data:`fgdiloco.pretrain.elastic_worker.EVENTS`), ``checkpoints/`` (each worker's
+  newest checkpoint).
 
 Counting is the same everywhere: ``round`` and ``step`` count what is *done*. ``round`` k (1-based) is the k-th
 outer round, ``round`` 0 the evaluation before training; the command's progress lines print the same numbers.
@@ -39,7 +43,8 @@ __all__ = [
 ]
 
 #: Files and folders of a run in its output folder; a folder holding any of them holds a run's results.
-OUTPUT_NAMES = ("run.json", "metrics.jsonl", "summary.json", "loss.png", "logs")
+OUTPUT_NAMES = ("run.json", "metrics.jsonl", "summary.json", "loss.png", "logs", "config.json", "workers",
+                "checkpoints")
 
 #: The fields of a ``metrics.jsonl`` row. "this round": the outer round that just ended (None in round 0).
 ROW_FIELDS: dict[str, str] = {
@@ -72,6 +77,13 @@ ROW_FIELDS: dict[str, str] = {
     "activation_bytes_sent_per_worker_so_far": "--stages > 1 only: pipeline bytes each worker sent to its "
                                                "neighbouring stages since the start (forward activations + "
                                                "backward gradients, evaluation excluded), mean over workers",
+    "workers_reporting": "elastic runs only: workers that reported this evaluation point (the means are over them; "
+                         "a worker that was down, or rejoined at a later round, has no report)",
+    "eval_worker": "elastic runs only: the slot whose values the unsuffixed fields are (the lowest reporting one; "
+                   "'rank 0' above)",
+    "rejoins_so_far": "elastic runs only: times a worker joined the job's live round (after a restart, or having "
+                      "fallen behind) up to this round, all workers together",
+    "restarts_so_far": "elastic runs only: torchrun restarts of the workers so far, all together",
     "pipeline_bubble_so_far": "--stages > 1 only: fraction of a training step a stage waited for its neighbours "
                               "(transfers included), mean over steps and workers (the first step after each "
                               "evaluation holds the schedule's shape exchange); None in round 0",
@@ -105,6 +117,11 @@ SUMMARY_FIELDS: dict[str, str] = {
     "bytes_sent_all_workers": "bytes sent over the run, all workers together",
     "failed_exchanges": "failed gossip exchanges over the run, all workers together",
     "peak_rss_bytes": "largest peak resident memory of a worker process (bytes)",
+    "restarts": "torchrun restarts of the workers, all together (elastic runs; 0 otherwise)",
+    "rejoins": "times a worker joined the job's live round after a restart or having fallen behind (elastic runs)",
+    "rejoin_events": "elastic runs: each rejoin: worker, life (its restart count), round joined, from_round (where "
+                     "it was: its checkpoint's round or 0), step, time (unix s); loss.png marks them",
+    "workers_lost": "elastic runs: workers whose torchrun job failed for good (restarts used up), with the cause",
 }
 
 
@@ -173,6 +190,10 @@ def summarise(info: dict[str, Any], rows: list[dict[str, Any]], *, interrupted: 
         "failed_exchanges": int(last.get("failed_exchanges_so_far") or 0),
         "activation_bytes_sent": float(last.get("activation_bytes_sent_per_worker_so_far") or 0.0),
         "pipeline_bubble": last.get("pipeline_bubble_so_far"),
+        "restarts": int(last.get("restarts_so_far") or 0),
+        "rejoins": int(last.get("rejoins_so_far") or 0),
+        "rejoin_events": [],
+        "workers_lost": [],
         "stopped_early": int(last.get("step", 0)) < info["steps_planned"],
         "params": info["params"],
         "vocab_size": info["vocab_size"],
@@ -188,8 +209,12 @@ def summarise(info: dict[str, Any], rows: list[dict[str, Any]], *, interrupted: 
     return summary
 
 
-def plot(out: Path, rows: list[dict[str, Any]], unigram: float, title: str) -> Path:
-    """``loss.png`` in ``out``: held-out loss against tokens and against training seconds; returns its path."""
+def plot(out: Path, rows: list[dict[str, Any]], unigram: float, title: str,
+         rejoins: list[dict[str, Any]] | None = None) -> Path:
+    """``loss.png`` in ``out``: held-out loss against tokens and against training seconds; returns its path.
+
+    ``rejoins`` (an elastic run's ``rejoin_events``) are marked by a dotted vertical line each, at the step of
+    the round the worker joined (and at that round's training seconds)."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -203,6 +228,11 @@ def plot(out: Path, rows: list[dict[str, Any]], unigram: float, title: str) -> P
         ax.plot(xs, [r["eval_loss"] for r in rows], "o-", ms=3, label="held-out loss, rank 0")
         ax.plot(xs, [r["eval_loss_mean"] for r in rows], "-", lw=1, alpha=0.7, label="mean over workers")
         ax.axhline(unigram, ls="--", color="grey", label=f"unigram baseline {unigram:.2f}")
+        for i, (tok_x, sec_x, worker) in enumerate(rejoin_marks(rows, rejoins or [])):
+            ax.axvline(tok_x if ax is axes[0] else sec_x, ls=":", color="tab:red", lw=1.2,
+                       label="a worker rejoined" if i == 0 else None)
+            ax.annotate(f"w{worker}", (tok_x if ax is axes[0] else sec_x, 1.0), xycoords=("data", "axes fraction"),
+                        fontsize=7, color="tab:red", ha="left", va="top")
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("cross-entropy (nats / token)")
@@ -215,6 +245,21 @@ def plot(out: Path, rows: list[dict[str, Any]], unigram: float, title: str) -> P
     target = out / "loss.png"
     os.replace(tmp, target)
     return target
+
+
+def rejoin_marks(rows: list[dict[str, Any]], rejoins: list[dict[str, Any]]) -> list[tuple[float, float, int]]:
+    """Where :func:`plot` marks each rejoin: ``(millions of tokens, training seconds, worker)``: the step of the
+    round joined, and the training seconds of the first row at or after that round (interpolated from the rows
+    around it)."""
+    if not rows:
+        return []
+    per_step = rows[-1]["tokens"] / rows[-1]["step"] if rows[-1]["step"] else 0.0
+    marks = []
+    for ev in rejoins:
+        later = [r for r in rows if r["round"] >= ev["round"]]
+        sec = later[0]["train_seconds"] if later else rows[-1]["train_seconds"]
+        marks.append((ev["step"] * per_step / 1e6, sec, int(ev["worker"])))
+    return marks
 
 
 # ---------------------------------------------------------------------------------------------------- progress

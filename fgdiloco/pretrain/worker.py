@@ -132,6 +132,11 @@ class TrainConfig:
     max_seconds: float | None = None
     net_counters: bool = False
     eval_deferred: bool = False
+    # elastic workers (FG-DiLoCo with one stage and a gossip topology: each worker its own torchrun job,
+    # fgdiloco.pretrain.elastic_worker): torchrun restarts of each worker before it is given up, and outer rounds
+    # between a worker's checkpoints (<out>/checkpoints/worker<k>.pt, from which a restarted worker continues)
+    max_restarts: int = 3
+    checkpoint_every: int = 5
 
     def validate(self) -> TrainConfig:
         """Check every field; returns ``self``.
@@ -157,7 +162,8 @@ class TrainConfig:
         for name, minimum in (("workers", 1), ("stages", 1), ("microbatches", 1), ("steps", 1), ("sync_every", 1),
                               ("mix1_rounds", 0), ("mix2_rounds", 0), ("rank", 1), ("warmup_steps", 0),
                               ("batch_size", 1), ("block_size", 2), ("n_layer", 1), ("n_head", 1), ("n_embd", 1),
-                              ("eval_every", 1), ("eval_batches", 1), ("seed", 0)):
+                              ("eval_every", 1), ("eval_batches", 1), ("seed", 0), ("max_restarts", 0),
+                              ("checkpoint_every", 1)):
             count(name, minimum)
         number("outer_lr", 0.0)
         number("outer_momentum", 0.0, 1.0, low_ok=True)
@@ -216,6 +222,14 @@ class TrainConfig:
         return self.workers // self.stages
 
     @property
+    def elastic(self) -> bool:
+        """Whether ``fgdiloco pretrain`` runs this configuration on elastic workers (each worker its own
+        ``torchrun`` job with restarts, :mod:`fgdiloco.elastic`): FG-DiLoCo with one stage and a gossip topology.
+        Baselines, ``stages > 1`` and the exact ``"allreduce"`` topology need one process group: one torchelastic
+        job, where one death ends the job."""
+        return self.baseline is None and self.stages == 1 and self.topology != "allreduce"
+
+    @property
     def rounds(self) -> int:
         """Outer rounds per run (the last one may be shorter than ``sync_every``)."""
         return -(-self.steps // self.sync_every)
@@ -264,6 +278,19 @@ def _adamw(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
 
 
+def load_tokens(cfg: TrainConfig) -> tuple[torch.Tensor, int, dict[str, Any]]:
+    """The token ids of ``cfg.data`` (1-D long), the vocabulary size and ``{"chars", "cache_dir",
+    "data_seconds"}``: the tokenizer and ids come from the cache :func:`~fgdiloco.pretrain.launcher.preflight`
+    filled (built here when missing)."""
+    t0 = time.perf_counter()
+    text = load_text(cfg.data)
+    cache = cache_dir_for(cfg.data, cfg.cache_dir)
+    tok = build_tokenizer(text, cfg.tokenizer, cfg.vocab_size, cache_dir=cache)
+    tokens = encode_corpus(text, tok, cache_dir=cache)
+    return tokens, tok.vocab_size, {"chars": len(text), "cache_dir": str(cache),
+                                    "data_seconds": time.perf_counter() - t0}
+
+
 def _load_data(cfg: TrainConfig, rank: int, world: int) -> dict[str, Any]:
     """Rank 0 reads the text, builds (or loads from cache) the tokenizer and token ids, and broadcasts the ids;
     every rank gets the same train / validation split. Only rank 0 touches the cache, so ranks never race."""
@@ -273,13 +300,9 @@ def _load_data(cfg: TrainConfig, rank: int, world: int) -> dict[str, Any]:
     error: BaseException | None = None
     if rank == 0:
         try:
-            t0 = time.perf_counter()
-            text = load_text(cfg.data)
-            cache = cache_dir_for(cfg.data, cfg.cache_dir)
-            tok = build_tokenizer(text, cfg.tokenizer, cfg.vocab_size, cache_dir=cache)
-            tokens = encode_corpus(text, tok, cache_dir=cache)
-            info.update(chars=len(text), cache_dir=str(cache), data_seconds=time.perf_counter() - t0)
-            header = torch.tensor([tokens.numel(), tok.vocab_size, 1], dtype=torch.int64)
+            tokens, vocab0, found = load_tokens(cfg)
+            info.update(found)
+            header = torch.tensor([tokens.numel(), vocab0, 1], dtype=torch.int64)
         except BaseException as e:  # noqa: BLE001 - told to the other ranks, then re-raised
             error = e
             header = torch.tensor([0, 0, 0], dtype=torch.int64)

@@ -1,0 +1,161 @@
+"""Merging an elastic job's per-worker reports into ``metrics.jsonl`` rows (in the launching process).
+
+Each elastic worker writes its own ``<out>/workers/worker<k>.jsonl``
+(:data:`fgdiloco.pretrain.elastic_worker.EVENTS`); no worker waits for another to report. :class:`Merger` reads
+the files as they grow and makes the row of evaluation point R once every worker has reported R or a later point
+(or joined a later round: it will never report R), or has ended for good. The row has today's format
+(:data:`~fgdiloco.pretrain.results.ROW_FIELDS`): "rank 0" fields are the lowest reporting slot's, means are over
+the workers that reported R, totals "so far" are over every report of every life up to R.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Merger"]
+
+#: Worker row fields the merged row takes from the lowest reporting slot and averages over the reporters.
+_PER_WORKER = ("eval_loss", "train_loss", "utilisation", "bytes_sent", "consensus_distance")
+_LOWEST_ONLY = ("mix2_seconds", "mix1_wait_seconds", "mix1_seconds", "round_seconds", "failed_exchanges")
+
+
+class Merger:
+    """Follows ``workers`` report files in ``folder`` (``worker<k>.jsonl``) and merges them.
+
+    Args:
+        folder: ``<out>/workers``.
+        workers: the job's worker slots.
+        points: the evaluation points (rounds done) in order, ``0`` first.
+        sync_every: H (a row's step is ``min(R * H, steps)``).
+        steps: planned steps per worker.
+    """
+
+    def __init__(self, folder: Path, workers: int, points: list[int], *, sync_every: int, steps: int):
+        self.folder = Path(folder)
+        self.workers = workers
+        self.points = list(points)
+        self.sync_every, self.steps = sync_every, steps
+        self._offset = [0] * workers
+        self._buf = [""] * workers
+        self.rows: list[dict[int, dict[str, Any]]] = [{} for _ in range(workers)]  # first report per round
+        self.reports: list[dict[str, Any]] = []  # every report of every life (totals so far)
+        self.position = [-1] * workers  # every point <= position[k]: worker k reported it or never will
+        self.lives = [0] * workers  # torchrun restarts seen per slot
+        self.ended: set[int] = set()
+        self.ends: dict[int, dict[str, Any]] = {}
+        self.rejoin_events: list[dict[str, Any]] = []
+        self.starts: list[dict[str, Any]] = []
+        self.info: dict[str, Any] | None = None
+        self.merged: list[dict[str, Any]] = []
+        self._next = 0
+
+    # ------------------------------------------------------------------ reading
+    def read(self) -> None:
+        """Take in every complete line appended to the workers' files since the last call."""
+        for k in range(self.workers):
+            path = self.folder / f"worker{k}.jsonl"
+            try:
+                with open(path, encoding="utf-8") as f:
+                    f.seek(self._offset[k])
+                    chunk = f.read()
+                    self._offset[k] = f.tell()
+            except FileNotFoundError:
+                continue
+            self._buf[k] += chunk
+            *lines, self._buf[k] = self._buf[k].split("\n")
+            for line in lines:
+                try:
+                    ev = json.loads(line)
+                except ValueError:  # a line cut short by a kill: skipped
+                    continue
+                self._take(k, ev)
+
+    def _take(self, k: int, ev: dict[str, Any]) -> None:
+        kind = ev.get("event")
+        self.lives[k] = max(self.lives[k], int(ev.get("life", 0)))
+        if kind == "start":
+            self.starts.append(ev)
+            if self.info is None or (k == 0 and self.info.get("_worker", 0) != 0):
+                self.info = dict(ev["info"], _worker=k)
+        elif kind == "row":
+            self.reports.append(ev)
+            self.rows[k].setdefault(int(ev["round"]), ev)
+            self.position[k] = max(self.position[k], int(ev["round"]))
+        elif kind == "rejoin":
+            self.rejoin_events.append({key: ev[key] for key in ("worker", "life", "round", "from_round", "step",
+                                                                "time")})
+            self.position[k] = max(self.position[k], int(ev["round"]))
+        elif kind == "end":
+            self.ended.add(k)
+            self.ends[k] = ev
+
+    # ------------------------------------------------------------------ merging
+    def ready(self, gone: set[int] | frozenset[int] = frozenset()) -> list[dict[str, Any]]:
+        """The merged rows that became complete; ``gone``: slots whose torchrun job has ended (for good)."""
+        done = self.ended | set(gone)
+        new = []
+        while self._next < len(self.points):
+            r = self.points[self._next]
+            if any(self.position[k] < r and k not in done for k in range(self.workers)):
+                break
+            self._next += 1
+            reporters = [k for k in range(self.workers) if r in self.rows[k]]
+            if reporters:
+                new.append(self._merge(r, reporters))
+        self.merged += new
+        return new
+
+    def _merge(self, r: int, reporters: list[int]) -> dict[str, Any]:
+        rs = [self.rows[k][r] for k in reporters]
+        first = rs[0]
+
+        def mean(key: str) -> float | None:
+            vals = [x[key] for x in rs if x.get(key) is not None]
+            return sum(vals) / len(vals) if vals else None
+
+        upto = [x for x in self.reports if x["round"] <= r]
+        utils = [x["utilisation"] for x in upto if x["round"] > 0 and x.get("utilisation") is not None]
+        clock = max(rs, key=lambda x: x["wall_seconds"])  # the longest-lived clock: a restarted worker's lost time
+        step = min(r * self.sync_every, self.steps)
+        tokens_per_step = int(self.info["tokens_per_step"]) if self.info else 0
+        row: dict[str, Any] = {
+            "step": step,
+            "round": r,
+            "tokens": step * tokens_per_step,
+            "wall_seconds": clock["wall_seconds"],
+            "train_seconds": clock["train_seconds"],
+        }
+        for key in _PER_WORKER:
+            row[key] = first.get(key)
+            row[f"{key}_mean"] = mean(key)
+        row.update(
+            bytes_sent_per_worker_so_far=sum(x.get("bytes_sent") or 0.0 for x in upto) / self.workers,
+            utilisation_so_far=sum(utils) / len(utils) if utils else None,
+            failed_exchanges_so_far=int(sum(x.get("failed_exchanges") or 0 for x in upto)),
+        )
+        for key in _LOWEST_ONLY:
+            row[key] = first.get(key)
+        row.update(
+            workers_reporting=len(reporters),
+            eval_worker=reporters[0],
+            rejoins_so_far=sum(1 for e in self.rejoin_events if e["round"] <= r),
+            restarts_so_far=sum(self.lives),
+        )
+        if "net_tx_bytes" in first:
+            row.update(net_tx_bytes=first["net_tx_bytes"], net_rx_bytes=first["net_rx_bytes"],
+                       net_tx_bytes_mean=mean("net_tx_bytes"), net_rx_bytes_mean=mean("net_rx_bytes"))
+        return row
+
+    # ------------------------------------------------------------------ totals
+    @property
+    def restarts(self) -> int:
+        """torchrun restarts of all workers together (each slot's highest ``TORCHELASTIC_RESTART_COUNT``)."""
+        return sum(self.lives)
+
+    @property
+    def peak_rss_bytes(self) -> int:
+        """The largest peak resident memory any worker process reported (bytes)."""
+        vals = [int(x.get("peak_rss_bytes") or 0) for x in self.reports + list(self.ends.values())]
+        return max(vals, default=0)

@@ -1,0 +1,264 @@
+"""``fgdiloco pretrain`` on elastic workers: each worker its own torchrun job; a worker SIGKILLed from outside is
+restarted, continues from its checkpoint and rejoins while the others train on; ``--resume`` continues a stopped
+run; the launcher merges the workers' reports."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fgdiloco.cli import main
+from fgdiloco.pretrain.launcher import eval_points
+from fgdiloco.pretrain.merge import Merger
+from fgdiloco.pretrain.results import ROW_FIELDS, SUMMARY_FIELDS, read_rows, rejoin_marks
+from fgdiloco.pretrain.worker import TrainConfig
+
+FIXTURE = Path(__file__).parent / "fixtures" / "moby_dick_ch1-29.txt"
+TINY = ("--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--batch-size", "4", "--block-size", "32",
+        "--vocab-size", "300", "--eval-batches", "1", "--data", str(FIXTURE))
+
+
+def _events(out: Path, worker: int, kind: str) -> list[dict]:
+    return [e for e in read_rows(out / "workers" / f"worker{worker}.jsonl") if e.get("event") == kind]
+
+
+def _start(argv: list[str], cwd: Path) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200")
+    return subprocess.Popen([sys.executable, "-m", "fgdiloco", "pretrain", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=cwd, start_new_session=True)
+
+
+def _wait_for(cond, proc: subprocess.Popen, timeout: float, what: str) -> None:
+    """Block until ``cond()`` holds (the event the test acts on), the run ends, or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{what} did not happen (exit status {proc.poll()})")
+
+
+def _finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    try:
+        return proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_a_worker_killed_from_outside_is_restarted_and_rejoins_while_the_others_train_on(tmp_path):
+    out = tmp_path / "run"
+    # long enough that the survivors are still training when worker 3 is back (its restart, importing torch,
+    # takes 5-20 s on a loaded 2-core machine; 3 workers run 4-5 rounds a second)
+    steps, h, every = 240, 2, 2
+    proc = _start(["--workers", "4", *TINY, "--steps", str(steps), "--sync-every", str(h), "--eval-every",
+                   str(every), "--checkpoint-every", "2", "--timeout", "20", "--max-restarts", "2",
+                   "--cache-dir", str(tmp_path / "cache"), "--out", str(out), "--quiet"], tmp_path)
+    try:
+        _wait_for(lambda: any(r["round"] >= 10 for r in read_rows(out / "metrics.jsonl")), proc, 240, "round 10")
+        victim = _events(out, 3, "start")[0]
+        assert victim["life"] == 0
+        os.kill(victim["pid"], signal.SIGKILL)  # what the kernel's OOM killer does, from outside the job
+        stdout, stderr = _finish(proc, 240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, stdout + stderr
+    assert "1 worker restart(s), " in stdout and "Traceback" not in stderr
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["restarts"] == 1 and summary["rejoins"] == 1 and summary["workers_lost"] == []
+    assert summary["rounds"] == summary["rounds_planned"] == steps // h and summary["steps"] == steps
+    assert summary["interrupted"] is False and summary["stopped_early"] is False
+    # worker 3's new life joins the job once (the first round its peers start after its restart)
+    assert {e["worker"] for e in summary["rejoin_events"]} == {3} and len(summary["rejoin_events"]) == 1
+    event = summary["rejoin_events"][0]
+    # it continued from its newest checkpoint (every 2 rounds; it had reported round 10 or a little later)
+    last_report = max(e["round"] for e in _events(out, 3, "row") if e["life"] == 0)
+    assert event["life"] == 1 and event["from_round"] % 2 == 0 and 8 <= event["from_round"] <= last_report
+    assert event["round"] > event["from_round"]
+    assert event["step"] == event["round"] * h
+
+    rows = read_rows(out / "metrics.jsonl")
+    cfg = TrainConfig(steps=steps, sync_every=h, eval_every=every)
+    assert [r["round"] for r in rows] == eval_points(cfg)  # every evaluation point, once, in order
+    for r in rows:
+        assert set(r) <= set(ROW_FIELDS), set(r) - set(ROW_FIELDS)
+    # while worker 3 was down, the rows are the three survivors' means; it reports again after its rejoin
+    down = [r["workers_reporting"] for r in rows if last_report < r["round"] <= event["round"]]
+    assert down == [3] * len(down)
+    assert all(r["workers_reporting"] == 4 for r in rows if r["round"] > event["round"] + 2 * every)
+    assert rows[-1]["workers_reporting"] == 4 and rows[-1]["restarts_so_far"] == 1
+    assert rows[-1]["rejoins_so_far"] == summary["rejoins"]
+    assert rows[-1]["eval_loss"] < rows[0]["eval_loss"] - 0.5  # it trained
+    # the survivors never stopped: one life each, a report at every evaluation point
+    for k in range(3):
+        assert [e["life"] for e in _events(out, k, "start")] == [0]
+        assert [e["round"] for e in _events(out, k, "row")] == eval_points(cfg)
+    lives = _events(out, 3, "start")
+    assert [e["life"] for e in lives] == [0, 1] and lives[1]["resumed_round"] == event["from_round"]
+    assert any(e["life"] == 1 and e["round"] > event["round"] for e in _events(out, 3, "row"))  # it trains again
+    # loss.png marks the rejoin at the step of the round worker 3 joined
+    ((tokens_m, seconds, worker),) = rejoin_marks(rows, [event])
+    assert worker == 3 and tokens_m == pytest.approx(event["step"] * 4 * 4 * 32 / 1e6)
+    assert 0 < seconds <= rows[-1]["train_seconds"]
+    assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "checkpoints" / "worker3.pt").is_file()
+    # the rejoin cost no one a deadline: no exchange waited out its --timeout, the rows kept coming
+    for k in range(4):
+        assert "timed out after" not in (out / "logs" / f"worker{k}.log").read_text(errors="replace"), k
+    gaps = [b["wall_seconds"] - a["wall_seconds"] for a, b in zip(rows, rows[1:])]
+    assert max(gaps) < 15, gaps
+
+
+def test_resume_continues_a_stopped_run_from_every_workers_checkpoint(tmp_path, capsys):
+    out = tmp_path / "run"
+    common = ["--quiet", "--cache-dir", str(tmp_path / "cache")]
+    assert main(["pretrain", "--resume", "--out", str(out), *common]) == 2  # nothing there yet
+    assert "--resume found no run to continue" in capsys.readouterr().err
+
+    # --max-seconds stops the first run early (each worker at its next evaluation point), with checkpoints
+    first = _start(["--workers", "2", *TINY, "--steps", "24", "--sync-every", "3", "--checkpoint-every", "1",
+                    "--max-seconds", "0.2", "--out", str(out), *common], tmp_path)
+    stdout, stderr = _finish(first, 240)
+    assert first.returncode == 0, stdout + stderr
+    stopped = json.loads((out / "summary.json").read_text())
+    assert stopped["stopped_early"] is True and 1 <= stopped["rounds"] < 8
+    saved = {k: [e["round"] for e in _events(out, k, "row")] for k in range(2)}
+    # the workers stop at their own next evaluation point: make worker 1's checkpoint the older one for sure
+    ckpts = [torch.load(out / "checkpoints" / f"worker{k}.pt", weights_only=False) for k in range(2)]
+    older = min(c["round"] for c in ckpts) - 1
+    ckpts[1]["round"] = ckpts[1]["fgdiloco"]["round"] = older
+    torch.save(ckpts[1], out / "checkpoints" / "worker1.pt")
+    before = {r["round"]: r for r in read_rows(out / "metrics.jsonl")}
+    assert main(["pretrain", "--resume", "--out", str(out), "--steps", "30", *common]) == 2
+    assert "--resume continues the saved configuration, but --steps 30 differs from the saved 24" in (
+        capsys.readouterr().err)
+
+    again = _start(["--resume", "--out", str(out), *common], tmp_path)
+    stdout, stderr = _finish(again, 240)
+    assert again.returncode == 0, stdout + stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["run_id"] == stopped["run_id"] and summary["resumed"] is True
+    assert summary["steps"] == summary["steps_planned"] == 24 and summary["rounds"] == 8
+    assert summary["stopped_early"] is False and summary["restarts"] == 0
+    rows = read_rows(out / "metrics.jsonl")
+    assert [r["round"] for r in rows] == list(range(9))
+    for k in range(2):
+        starts = _events(out, k, "start")
+        assert len(starts) == 2 and starts[1]["resumed_round"] == ckpts[k]["round"]  # from its checkpoint
+        # the report file was cut back to the checkpoint and continued from the newest checkpoint's round (where
+        # every resumed worker starts, so none waits for another): every round once, in order
+        reported = [e["round"] for e in _events(out, k, "row")]
+        newest = max(e["resumed_round"] for j in range(2) for e in _events(out, j, "start")[1:])
+        assert reported == [r for r in saved[k] if r <= starts[1]["resumed_round"]] + list(range(newest + 1, 9))
+        assert "timed out after" not in (out / "logs" / f"worker{k}.log").read_text(errors="replace")
+    # worker 1 started where worker 0's newer checkpoint is (no one waited for anyone: no timeout above)
+    (moved,) = _events(out, 1, "rejoin")
+    assert (moved["from_round"], moved["round"]) == (older, ckpts[0]["round"]) and not _events(out, 0, "rejoin")
+    low = min(e["resumed_round"] for k in range(2) for e in _events(out, k, "start")[1:])
+    for r in range(low + 1):  # the rows up to the checkpoints are the first run's
+        assert rows[r]["eval_loss"] == before[r]["eval_loss"]
+    assert rows[-1]["eval_loss"] < rows[low]["eval_loss"]
+
+
+def _write(path: Path, *events: dict) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        for e in events:
+            f.write(json.dumps(e) + "\n")
+
+
+def _row(worker: int, rnd: int, loss: float, **kw) -> dict:
+    base = {"event": "row", "worker": worker, "life": 0, "round": rnd, "step": rnd * 10, "eval_loss": loss,
+            "train_loss": loss + 0.1 if rnd else None, "utilisation": 0.5 if rnd else None,
+            "bytes_sent": 100.0 * worker if rnd else None, "consensus_distance": 0.1 if rnd else None,
+            "failed_exchanges": 1 if rnd else None, "wall_seconds": 2.0 * rnd + worker,
+            "train_seconds": 1.5 * rnd + worker, "peak_rss_bytes": 1000 + worker}
+    base.update(kw)
+    return base
+
+
+def test_the_merger_waits_for_every_worker_or_its_end_and_averages_over_the_reporters(tmp_path):
+    info = {"tokens_per_step": 7, "unigram_loss": 5.0}
+    m = Merger(tmp_path, 3, [0, 1, 2, 3], sync_every=10, steps=30)
+    _write(tmp_path / "worker1.jsonl", {"event": "start", "worker": 1, "life": 0, "info": info},
+           _row(1, 0, 6.0), _row(1, 1, 5.0))
+    _write(tmp_path / "worker0.jsonl", _row(0, 0, 6.0))
+    m.read()
+    assert m.ready() == []  # worker 2 has not reported round 0
+    _write(tmp_path / "worker2.jsonl", _row(2, 0, 6.0), _row(2, 1, 4.0))
+    with open(tmp_path / "worker0.jsonl", "a") as f:
+        f.write('{"event": "row", "wor')  # a line being written: not read yet
+    m.read()
+    (r0,) = m.ready()
+    assert r0["round"] == 0 and r0["workers_reporting"] == 3 and r0["eval_loss"] == 6.0
+    assert m.ready() == []  # round 1 waits for worker 0
+    # worker 0 died and came back, rejoining at round 2: it will never report round 1
+    with open(tmp_path / "worker0.jsonl", "a") as f:
+        f.write("\n")
+    _write(tmp_path / "worker0.jsonl", {"event": "start", "worker": 0, "life": 1, "info": info},
+           {"event": "rejoin", "worker": 0, "life": 1, "round": 2, "from_round": 0, "step": 20, "time": 9.0})
+    m.read()
+    (r1,) = m.ready()
+    assert r1["round"] == 1 and r1["workers_reporting"] == 2 and r1["eval_worker"] == 1
+    assert r1["eval_loss"] == 5.0 and r1["eval_loss_mean"] == pytest.approx(4.5)  # lowest reporting slot; mean
+    assert r1["tokens"] == 10 * 7 and r1["wall_seconds"] == 2.0 + 2  # the longest-lived clock (worker 2's)
+    assert r1["bytes_sent_per_worker_so_far"] == pytest.approx((100.0 + 200.0) / 3)
+    assert r1["failed_exchanges_so_far"] == 2 and r1["restarts_so_far"] == 1 and r1["rejoins_so_far"] == 0
+    # round 2: worker 2 ended for good (its torchrun job is gone) without reporting it
+    _write(tmp_path / "worker0.jsonl", _row(0, 2, 3.0, life=1))
+    _write(tmp_path / "worker1.jsonl", _row(1, 2, 3.5))
+    m.read()
+    assert m.ready() == []
+    (r2,) = m.ready(gone={2})
+    assert r2["round"] == 2 and r2["workers_reporting"] == 2 and r2["eval_loss"] == 3.0
+    assert r2["rejoins_so_far"] == 1 and m.restarts == 1 and m.peak_rss_bytes == 1002
+    assert m.ready(gone={0, 1, 2}) == []  # round 3: nobody reported it
+    assert m.info == {**info, "_worker": 0}  # worker 0's, once it has started
+
+
+def test_help_says_which_methods_are_elastic_and_the_new_options():
+    proc = subprocess.run([sys.executable, "-m", "fgdiloco", "pretrain", "--help"], capture_output=True, text=True,
+                          timeout=60, env=dict(os.environ, COLUMNS="200"))
+    text = " ".join(proc.stdout.split())
+    assert proc.returncode == 0
+    assert "--max-restarts MAX_RESTARTS torchrun restarts of each worker" in text and "(default: 3)" in text
+    assert "--checkpoint-every R" in text and "(default: 5)" in text and "--resume" in text
+    assert "--max-seconds S" in text
+    assert text.count("not elastic: one torchelastic job, one death ends the job") + text.count(
+        "Not elastic: one torchelastic job, one death ends the job") == 2
+    assert set(SUMMARY_FIELDS) >= {"restarts", "rejoins", "rejoin_events", "workers_lost"}
+    assert TrainConfig().elastic and not TrainConfig(baseline="ddp").elastic
+    assert not TrainConfig(workers=4, stages=2).elastic and not TrainConfig(topology="allreduce").elastic
+
+
+def test_an_interrupted_elastic_run_is_summarised_with_its_restarts_and_rejoins(tmp_path):
+    from fgdiloco.pretrain.launcher import finish_interrupted
+
+    (tmp_path / "workers").mkdir()
+    info = {"run_id": "r1", "method": "fgdiloco", "elastic": True, "workers": 2, "rounds_planned": 5,
+            "steps_planned": 50, "params": 1, "vocab_size": 300, "train_tokens": 1, "val_tokens": 1,
+            "unigram_loss": 5.0, "data": "x", "title": "t", "config": {}, "tokens_per_step": 7}
+    (tmp_path / "run.json").write_text(json.dumps(info))
+    rejoin = {"event": "rejoin", "worker": 1, "life": 1, "round": 2, "from_round": 0, "step": 20, "time": 3.0}
+    _write(tmp_path / "workers" / "worker1.jsonl", {"event": "start", "worker": 1, "life": 1, "info": info},
+           rejoin, _row(1, 3, 4.0, life=1))
+    _write(tmp_path / "workers" / "worker0.jsonl", _row(0, 3, 4.5))
+    m = Merger(tmp_path / "workers", 2, [0, 3], sync_every=10, steps=50)
+    m.read()
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for r in m.ready(gone={0, 1}):
+            f.write(json.dumps(r) + "\n")
+    s = finish_interrupted(tmp_path)
+    assert s["interrupted"] is True and s["rounds"] == 3 and s["restarts"] == 1 and s["rejoins"] == 1
+    assert s["rejoin_events"] == [{k: v for k, v in rejoin.items() if k != "event"}]
+    assert s["peak_rss_bytes"] == 1001 and (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
