@@ -14,9 +14,9 @@ atomically (temporary file, then ``os.replace``: a worker killed mid-write keeps
 state dict (parameters, outer momentum, inner AdamW state, round), the batch generator and its clocks. A restarted
 worker (torchrun's ``TORCHELASTIC_RESTART_COUNT`` > 0, or ``fgdiloco pretrain --resume``) loads it, or starts from
 the seeded initial model when it has none, and rejoins the job (:meth:`fgdiloco.FGDiLoCo.rejoin`);
-its step and learning rate follow the round it is in (``round * sync_every`` + steps done in the round). It enters
-the first round its peers start after the restart and declines its exchanges of the rounds it skips
-(:func:`_enter_next_round`), so that a restart costs no one a gossip deadline.
+its step and learning rate follow the round it is in (``round * sync_every`` + steps done in the round). A restart
+costs no one a gossip deadline: exchange keys name each side's incarnation, and an exchange whose peer has already
+started a later round is skipped at once (:mod:`fgdiloco.elastic`).
 """
 
 from __future__ import annotations
@@ -85,51 +85,6 @@ def _save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)  # atomic: a worker killed mid-write keeps its previous checkpoint
-
-
-def _enter_next_round(opt: Any, limit: float) -> None:
-    """Move a restarted worker to the first outer round its peers start after this process took the slot, and
-    decline its exchanges of the rounds it skips (a workaround for the gossip layer; waits at most ``limit``
-    seconds for that round, not at all once every peer has left).
-
-    ``FGDiLoCo.rejoin`` alone enters the live round L, which the peers started (and whose exchanges with this slot
-    they set up, ran or skipped) under the dead process's incarnation: the new process waits for them a whole
-    ``timeout``, and its partners of the next round wait for it (59 s of the default 60 s, measured: the whole job
-    stalls once per restart). A peer starts every round after L under the new incarnation, with its back-off for
-    this slot reset, so this worker waits for L + 1 to start and enters it; a slower peer that starts L after the
-    restart would wait for this worker in L, so the exchanges of the skipped rounds are declined (the peer's open
-    fails at once). The keys are the library's (``Mixer`` schedule and ``name/generation/index``): if they change,
-    the declines reach no one and the old one-timeout stall comes back, nothing worse.
-    """
-    from ..gossip.topology import PAIR
-
-    transport = opt.transport
-    if transport is None or opt.world_size == 1:
-        return
-    frm = opt.round
-    try:
-        start = transport.live_round()
-        t0 = time.monotonic()
-        while start is not None and time.monotonic() - t0 < limit:
-            live = transport.live_round()
-            if live is None or live > start:
-                break
-            if all(transport.has_left(p) for p in range(opt.world_size) if p != opt.rank):
-                break  # everyone else is done: nothing to wait for
-            time.sleep(0.05)
-    except Exception:  # noqa: BLE001 - a store we cannot reach: join where the library would
-        start = None
-    opt.rejoin()
-    if start is None:
-        return
-    for mixer in (opt._mixer1, opt._mixer2):
-        for r in range(max(frm, start - 2), opt.round):
-            for k in range(mixer.rounds):
-                idx = mixer.schedule_index(r, k)
-                step = mixer.topology.step(opt.rank, idx)
-                if step.kind == PAIR:
-                    with contextlib.suppress(Exception):
-                        transport.decline(step.peer, key=mixer._key(idx))
 
 
 def train_elastic(cfg: TrainConfig) -> dict[str, Any]:
@@ -233,10 +188,7 @@ def train_elastic(cfg: TrainConfig) -> dict[str, Any]:
                   f"{frm})", flush=True)
 
         frm = resumed_round if resumed_round is not None else opt.round
-        if life > 0:  # a restarted worker enters the first round its peers start after it took the slot
-            _enter_next_round(opt, cfg.timeout)
-        else:  # a first or resumed one joins the job's live round when it is behind (at the start: nobody is)
-            opt.rejoin()
+        opt.rejoin()  # a restarted or resumed worker joins the job's live round (at the start: nobody is ahead)
         if opt.round != frm:
             rejoined(frm)
         t_life = time.perf_counter()
