@@ -149,7 +149,8 @@ def connect(address: str | None = None, worker: int | None = None, workers: int 
     slot; a worker that restarts or joins later finds them there and goes on at once.
 
     Raises:
-        ValueError / TypeError: a setting missing or out of range (see :func:`settings`).
+        ValueError / TypeError: a setting missing or out of range (see :func:`settings`), or a slot count other
+            than the job's (the first worker's).
         TimeoutError: the store cannot be reached within ``timeout`` seconds, or the first ``min_workers`` did not
             all join within ``wait`` seconds (the message names the missing slots).
     """
@@ -160,6 +161,11 @@ def connect(address: str | None = None, worker: int | None = None, workers: int 
     except Exception as e:  # noqa: BLE001 - c10d raises RuntimeError/DistStoreError for every failure to connect
         raise TimeoutError(f"cannot reach the gossip store at {s['host']}:{s['port']} (${STORE_ENV}) within "
                            f"{timeout:g} s: {type(e).__name__}: {e}") from e
+    slots_key, mine = f"fgdiloco/{s['job']}/slots", str(s["workers"]).encode()
+    agreed = store.compare_set(slots_key, "", mine)  # the first worker of the job sets it
+    if agreed != mine:
+        raise ValueError(f"workers (${WORKERS_ENV}) is {s['workers']} here but the job {s['job']!r} on this store "
+                         f"has {agreed.decode()} slots: every worker of a job must use the same")
     transport = DistributedTransport.over_store(store, int(s["worker"]), int(s["workers"]), namespace=str(s["job"]),
                                                 timeout=timeout)
     key = f"{transport.namespace}/incarnation/"

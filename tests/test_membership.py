@@ -75,6 +75,8 @@ def test_connect_waits_for_the_first_workers_and_names_the_missing(store):
     t.join()
     assert (a.rank, got[1].rank, a.world_size) == (0, 1, 2)
     assert a.incarnation == 2  # the first attempt above registered slot 0 once already
+    with pytest.raises(ValueError, match="has 2 slots"):
+        connect(store.address, 0, 3, wait=1)
     with pytest.raises(TimeoutError, match="cannot reach the gossip store"):
         connect("127.0.0.1:1", 0, 1, timeout=1.0)
     a.close()
