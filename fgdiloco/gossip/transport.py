@@ -45,7 +45,7 @@ import datetime
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -204,6 +204,15 @@ class _StorePool:
     def release(self, store: dist.Store) -> None:
         with self._lock:
             self._free.append(store)
+
+    @contextlib.contextmanager
+    def lease(self) -> Iterator[dist.Store]:
+        """A connection for the ``with`` block, given back after it."""
+        store = self.acquire()
+        try:
+            yield store
+        finally:
+            self.release(store)
 
 
 class Transport(abc.ABC):
@@ -423,6 +432,7 @@ class DistributedTransport(Transport):
         self._seen_lock = threading.Lock()
         self._left: set[int] = set()
         self._incarnations: dict[int, int] = {}  # the incarnation of each peer our exchange keys name
+        self._wants_seen = 0  # the store's count of state requests when this worker last looked
         self._stop = threading.Event()
         beat_store = self._stores.acquire()
         self.incarnation = beat_store.add(self._incarnation_key(self.rank), 1)
@@ -453,11 +463,8 @@ class DistributedTransport(Transport):
     def returned(self, peer: int) -> bool:
         if not self.elastic:  # a process group's members never come back as new processes
             return False
-        store = self._stores.acquire()
-        try:
+        with self._stores.lease() as store:
             now = store.add(self._incarnation_key(peer), 0)
-        finally:
-            self._stores.release(store)
         with self._seen_lock:
             before = self._incarnations.get(peer)
             self._incarnations[peer] = now
@@ -470,11 +477,8 @@ class DistributedTransport(Transport):
     def publish_round(self, outer_round: int) -> None:
         if not self.elastic:
             return
-        store = self._stores.acquire()
-        try:
+        with self._stores.lease() as store:
             self._published = store.add(self._round_key(self.rank), int(outer_round) - self._published)
-        finally:
-            self._stores.release(store)
 
     # A joiner's state comes through the store: a request per incarnation, answered once (compare_set claim).
     def _want_key(self, rank: int) -> str:
@@ -486,20 +490,16 @@ class DistributedTransport(Transport):
     def request_state(self) -> None:
         if not self.elastic:
             return
-        store = self._stores.acquire()
-        try:
+        with self._stores.lease() as store:
             store.set(self._want_key(self.rank), str(self.incarnation))
             store.add(f"{self.namespace}/wants", 1)
-        finally:
-            self._stores.release(store)
 
     def state_requests(self) -> list[tuple[int, int]]:
         if not self.elastic:
             return []
-        store = self._stores.acquire()
-        try:
+        with self._stores.lease() as store:
             wants = store.add(f"{self.namespace}/wants", 0)
-            if wants == getattr(self, "_wants_seen", 0):
+            if wants == self._wants_seen:
                 return []
             self._wants_seen = wants
             out = []
@@ -509,45 +509,34 @@ class DistributedTransport(Transport):
                     if not store.check([self._state_key(r, inc) + "/claim"]):
                         out.append((r, inc))
             return out
-        finally:
-            self._stores.release(store)
 
     def offer_state(self, peer: int, incarnation: int, payload: bytes) -> bool:
         if not self.elastic:
             return False
-        store = self._stores.acquire()
-        try:
+        with self._stores.lease() as store:
             key = self._state_key(peer, incarnation)
             mine = str(self.rank).encode()
             if store.compare_set(key + "/claim", "", mine) != mine:
                 return False
             store.set(key, payload)
             return True
-        finally:
-            self._stores.release(store)
 
     def await_state(self, timeout: float) -> bytes | None:
         if not self.elastic:
             return None
-        store = self._stores.acquire()
-        try:
+        with self._stores.lease() as store:
             key, t0 = self._state_key(self.rank, self.incarnation), time.monotonic()
             while not store.check([key]):
                 if time.monotonic() - t0 > timeout or not self._anyone_there(store, t0):
                     return None
                 time.sleep(_POLL_SECONDS)
             return store.get(key)
-        finally:
-            self._stores.release(store)
 
     def peer_round(self, peer: int) -> int | None:
         if not self.elastic:
             return None
-        store = self._stores.acquire()
-        try:
+        with self._stores.lease() as store:
             return store.add(self._round_key(peer), 0)
-        finally:
-            self._stores.release(store)
 
     def _anyone_there(self, store: dist.Store, since: float) -> bool:
         """Whether some other slot holds a live worker (joined, not departed, heartbeat moving): one that may
@@ -557,12 +546,9 @@ class DistributedTransport(Transport):
     def peer_rounds(self) -> dict[int, int]:
         if not self.elastic:
             return {}
-        store = self._stores.acquire()
-        try:
+        with self._stores.lease() as store:
             return {r: store.add(self._round_key(r), 0) for r in range(self.world_size)
                     if r != self.rank and store.add(self._alive_key(r), 0) > 0 and store.add(self._left_key(r), 0) == 0}
-        finally:
-            self._stores.release(store)
 
     def _beat(self, store: dist.Store) -> None:
         while not self._stop.wait(HEARTBEAT_SECONDS):
@@ -602,25 +588,19 @@ class DistributedTransport(Transport):
 
     def abandon(self, peer: int, *, key: str, suspect: bool = False) -> None:
         self._check_peer(peer)
-        store = self._stores.acquire()
-        try:
+        with self._stores.lease() as store:
             prefix = self._prefix(peer, key)
             store.compare_set(f"{prefix}/decision", "", _HELLO_SKIP)
             store.add(f"{prefix}/abandoned/{self.rank}", 1)
             if suspect:
                 store.add(self._suspect_key(peer), 1)
-        finally:
-            self._stores.release(store)
 
     def has_left(self, peer: int) -> bool:
         return peer in self._left
 
     def peer_gone(self, peer: int, since: float, key: str | None = None) -> str | None:
-        store = self._stores.acquire()
-        try:
+        with self._stores.lease() as store:
             return self._peer_gone(store, peer, since, key)
-        finally:
-            self._stores.release(store)
 
     def _prefix(self, peer: int, key: str) -> str:
         if self.elastic:  # both sides' incarnations: a new process never meets its predecessor's exchanges
@@ -632,8 +612,7 @@ class DistributedTransport(Transport):
     def _build(self, peer: int, key: str, timeout: float, cancel: threading.Event | None = None) -> tuple[Any, int]:
         """Post our hello, wait for the peer's (polling its departure notice and heartbeat between short waits),
         agree on the decision, then build the private 2-rank Gloo group (both sides do the same)."""
-        store = self._stores.acquire()
-        try:
+        with self._stores.lease() as store:
             prefix = self._prefix(peer, key)
             store.set(f"{prefix}/hello/{self.rank}", _HELLO_GO)
             theirs = f"{prefix}/hello/{peer}"
@@ -664,8 +643,6 @@ class DistributedTransport(Transport):
             me = 0 if self.rank < peer else 1
             pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), me, 2, datetime.timedelta(seconds=timeout))
             return pg, 1 - me
-        finally:  # the store is only needed for the rendezvous
-            self._stores.release(store)
 
     def prepare(self, peer: int, *, key: str, timeout: float | None = None) -> None:
         """Start meeting ``peer`` for a later ``open(peer, key=key)`` in the background (hello and Gloo pair group).
@@ -700,11 +677,8 @@ class DistributedTransport(Transport):
     def leave(self) -> None:
         """Post this worker's departure notice (``FGDiLoCo.close`` does): peers waiting for it, or about to,
         fail their exchanges with it at once."""
-        store = self._stores.acquire()
-        try:
+        with self._stores.lease() as store:
             store.add(self._left_key(self.rank), 1)
-        finally:
-            self._stores.release(store)
 
     def close(self) -> None:
         """Let every prepared pair group finish setting up (each bounded by its timeout) and release them; stop
@@ -739,25 +713,19 @@ class DistributedTransport(Transport):
                 raise
             except Exception as err:  # noqa: BLE001 - every failure to meet the peer is an ExchangeError
                 raise ExchangeError(f"meeting rank {peer} for {key} failed: {type(err).__name__}: {err}") from err
-            store = self._stores.acquire()
-            try:  # a peer that left after the group was prepared has dropped its end
+            with self._stores.lease() as store:  # a peer that left after the group was prepared dropped its end
                 if self._peer_gone(store, peer, time.monotonic()) == "left":
                     raise PeerLeft(f"rank {peer} has left (departure notice) before {key}")
-            finally:
-                self._stores.release(store)
         else:
             pg, other = self._build(peer, key, timeout)
         return _GlooChannel(pg, other, peer, key, deadline)
 
     def decline(self, peer: int, *, key: str) -> None:
         self._check_peer(peer)
-        store = self._stores.acquire()
-        try:
+        with self._stores.lease() as store:
             prefix = self._prefix(peer, key)
             store.compare_set(f"{prefix}/decision", "", _HELLO_SKIP)
             store.set(f"{prefix}/hello/{self.rank}", _HELLO_SKIP)
-        finally:
-            self._stores.release(store)
 
     def all_gather(self, payload: bytes, *, key: str, timeout: float | None = None) -> list[bytes]:
         timeout = self.timeout if timeout is None else timeout
