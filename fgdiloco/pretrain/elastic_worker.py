@@ -28,7 +28,6 @@ import resource
 import signal
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,17 @@ import torch
 
 from .data import sample_batch, split_tokens, unigram_loss
 from .model import GPT, GPTConfig
-from .worker import TrainConfig, _adamw, _evaluate, _lr_at, _net_bytes, batch_seed, load_tokens, make_codec
+from .worker import (
+    TrainConfig,
+    _adamw,
+    _evaluate,
+    _lr_at,
+    _net_bytes,
+    batch_seed,
+    load_tokens,
+    make_codec,
+    run_info,
+)
 
 __all__ = ["CHECKPOINT_FORMAT", "EVENTS", "checkpoint_path", "main", "rows_path", "stop_path", "train_elastic"]
 
@@ -155,29 +164,12 @@ def train_elastic(cfg: TrainConfig) -> dict[str, Any]:
             resumed_round = int(state["round"])
             print(f"[fgdiloco] worker {slot} (life {life}): continuing from {ckpt} of round {resumed_round}",
                   flush=True)
-        info = {
-            "run_id": cfg.run_id,
-            "method": "fgdiloco",
-            "elastic": True,
-            "workers": world,
-            "replicas": world,
-            "stages": 1,
-            "rounds_planned": cfg.rounds,
-            "steps_planned": cfg.steps,
-            "tokens_per_step": cfg.batch_size * cfg.block_size * world,
-            "params": n_params,
-            "vocab_size": vocab,
-            "train_tokens": int(train.numel()),
-            "val_tokens": int(val.numel()),
-            "unigram_loss": unigram,
-            "data": cfg.data if cfg.data is not None else "bundled corpus (fgdiloco/pretrain/corpus)",
-            "cache_dir": found["cache_dir"],
-            "setup_seconds": time.perf_counter() - t_setup,
-            "title": (f"Factored Gossip DiLoCo (elastic): {world} workers, {cfg.steps} steps, H={cfg.sync_every}, "
-                      f"{cfg.topology}, codec {cfg.codec}, {n_params / 1e6:.2f}M params"),
-            "torch": torch.__version__,
-            "config": asdict(cfg),
-        }
+        info = run_info(
+            cfg, method="fgdiloco", elastic=True, workers=world, replicas=world,
+            tokens_per_step=cfg.batch_size * cfg.block_size * world, params=n_params, vocab_size=vocab, train=train,
+            val=val, unigram=unigram, cache_dir=found["cache_dir"], setup_seconds=time.perf_counter() - t_setup,
+            title=(f"Factored Gossip DiLoCo (elastic): {world} workers, {cfg.steps} steps, H={cfg.sync_every}, "
+                   f"{cfg.topology}, codec {cfg.codec}, {n_params / 1e6:.2f}M params"))
         emit("start", pid=os.getpid(), info=info, resumed_round=resumed_round)
 
         def rejoined(frm: int) -> None:

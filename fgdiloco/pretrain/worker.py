@@ -434,6 +434,35 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any]:
                 dist.destroy_process_group()
 
 
+def run_info(cfg: TrainConfig, *, method: str, workers: int, replicas: int, tokens_per_step: int, params: int,
+             vocab_size: int, train: torch.Tensor, val: torch.Tensor, unigram: float, cache_dir: Any,
+             setup_seconds: float, title: str, **extra: Any) -> dict[str, Any]:
+    """What ``run.json`` says about a run (and ``summary.json`` repeats): method, shape, plan, data, set-up time
+    (seconds), the title of ``loss.png``, torch's version and the whole configuration; ``extra`` is added."""
+    return {
+        "run_id": cfg.run_id or uuid.uuid4().hex[:12],
+        "method": method,
+        **extra,
+        "workers": workers,
+        "replicas": replicas,
+        "stages": cfg.stages,
+        "rounds_planned": cfg.rounds,
+        "steps_planned": cfg.steps,
+        "tokens_per_step": tokens_per_step,
+        "params": params,
+        "vocab_size": vocab_size,
+        "train_tokens": int(train.numel()),
+        "val_tokens": int(val.numel()),
+        "unigram_loss": unigram,
+        "data": cfg.data if cfg.data is not None else "bundled corpus (fgdiloco/pretrain/corpus)",
+        "cache_dir": cache_dir,
+        "setup_seconds": setup_seconds,
+        "title": title,
+        "torch": torch.__version__,
+        "config": asdict(cfg),
+    }
+
+
 def _train(cfg: TrainConfig) -> dict[str, Any]:
     t_setup = time.perf_counter()
     distributed = dist.is_available() and dist.is_initialized()
@@ -530,27 +559,9 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
                 f", H={cfg.sync_every}, {cfg.topology}, codec {cfg.codec}")
              + f", {n_params / 1e6:.2f}M params")
     setup_seconds = time.perf_counter() - t_setup
-    info = {
-        "run_id": cfg.run_id or uuid.uuid4().hex[:12],
-        "method": cfg.baseline or "fgdiloco",
-        "workers": world,
-        "replicas": replicas,
-        "stages": cfg.stages,
-        "rounds_planned": cfg.rounds,
-        "steps_planned": cfg.steps,
-        "tokens_per_step": tokens_per_step,
-        "params": n_params,
-        "vocab_size": vocab,
-        "train_tokens": int(train.numel()),
-        "val_tokens": int(val.numel()),
-        "unigram_loss": unigram,
-        "data": cfg.data if cfg.data is not None else "bundled corpus (fgdiloco/pretrain/corpus)",
-        "cache_dir": data.get("cache_dir"),
-        "setup_seconds": setup_seconds,
-        "title": title,
-        "torch": torch.__version__,
-        "config": asdict(cfg),
-    }
+    info = run_info(cfg, method=cfg.baseline or "fgdiloco", workers=world, replicas=replicas,
+                    tokens_per_step=tokens_per_step, params=n_params, vocab_size=vocab, train=train, val=val,
+                    unigram=unigram, cache_dir=data.get("cache_dir"), setup_seconds=setup_seconds, title=title)
     rec = _Recorder(cfg, rank, info)
 
     eval_seconds = 0.0
