@@ -571,7 +571,10 @@ def run_launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     except KeyboardInterrupt:
         print("[fgdiloco] launch interrupted: stopped the workers", file=sys.stderr)
         return EXIT_INTERRUPTED
-    return 1 if failed else 0  # launch() said which
+    if failed:
+        print(f"[fgdiloco] launch: {failed} worker(s) failed for good (see their logs)", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _as_flag(message: str) -> str:

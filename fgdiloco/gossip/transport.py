@@ -543,15 +543,6 @@ class DistributedTransport(Transport):
         still answer a state request."""
         return any(self._peer_gone(store, r, since) is None for r in range(self.world_size) if r != self.rank)
 
-    def live_round(self) -> int | None:
-        # departed peers count too: a worker restarted after the others finished joins at the job's end
-        if not self.elastic:
-            return None
-        with self._stores.lease() as store:
-            rounds = [store.add(self._round_key(r), 0) for r in range(self.world_size)
-                      if r != self.rank and store.add(self._alive_key(r), 0) > 0]
-        return max(rounds) if rounds else None
-
     def peer_rounds(self) -> dict[int, int]:
         if not self.elastic:
             return {}

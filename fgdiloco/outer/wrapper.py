@@ -530,15 +530,14 @@ class FGDiLoCo:
         if self.transport is None:
             return
         try:
-            if behind <= 1:
-                live = self.transport.live_round()
-            else:
-                rounds = sorted(self.transport.peer_rounds().values())
-                live = rounds[(len(rounds) - 1) // 2] if rounds else None
+            rounds = sorted(self.transport.peer_rounds().values())
         except Exception as err:  # noqa: BLE001 - a store we cannot reach: stay where we are
             log.debug("fgdiloco: could not read the peers' rounds: %s", err)
             return
-        if live is None or live - self._round < behind:
+        if not rounds:
+            return
+        live = rounds[-1] if behind <= 1 else rounds[(len(rounds) - 1) // 2]
+        if live - self._round < behind:
             return
         if adopt and self._adopt():
             return
