@@ -451,7 +451,8 @@ def _summary_text(s: dict[str, Any], out: Path, elapsed: float) -> str:
         f"{s['tokens_per_second']:,.0f} tokens/s, all workers, evaluation excluded "
         f"(set-up {s['setup_seconds']:.1f} s)",
         f"  utilisation     {util} of round time computing   sent {fmt_bytes(s['bytes_sent_per_worker'])} per "
-        f"worker ({fmt_bytes(s['bytes_sent_all_workers'])} all workers)   failed exchanges {s['failed_exchanges']}",
+        f"worker ({fmt_bytes(s['bytes_sent_all_workers'])} all workers)   failed exchanges {s['failed_exchanges']}"
+        + (f" (skipped {s['skipped_exchanges']})" if s.get("skipped_exchanges") else ""),
     ]
     if s.get("stages", 1) > 1:
         lines.append(f"  pipeline        {s['replicas']} replicas x {s['stages']} stages: activations sent "
@@ -571,10 +572,7 @@ def run_launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     except KeyboardInterrupt:
         print("[fgdiloco] launch interrupted: stopped the workers", file=sys.stderr)
         return EXIT_INTERRUPTED
-    if failed:
-        print(f"[fgdiloco] launch: {failed} worker(s) failed for good (see their logs)", file=sys.stderr)
-        return 1
-    return 0
+    return 1 if failed else 0  # launch() said which
 
 
 def _as_flag(message: str) -> str:

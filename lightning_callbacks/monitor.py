@@ -155,7 +155,8 @@ _CLASS_DOC = """Logs the diagnostics of every finished outer round of :class:`~l
       ``mix2_bytes_sent``, ``mix2_bytes_received``, ``bytes_sent``, ``bytes_received``, the size-independent
       distances ``consensus_distance`` (RMS per element), ``consensus_relative`` (fraction of ‖θ‖),
       ``pseudo_gradient_distance``, ``pseudo_gradient_relative``, ``momentum_distance`` (each absent in rounds
-      without an exchange to measure it), ``failed_exchanges`` and ``failed_exchanges_total``. Times in
+      without an exchange to measure it), ``failed_exchanges``, ``skipped_exchanges`` (not made: the peer left,
+      was absent or ahead, or is in back-off) and ``failed_exchanges_total``. Times in
       seconds, sizes in bytes (see :class:`fgdiloco.RoundStats`);
     * shows the ``prog_bar`` fields in the progress bar (default ``util`` = utilisation, ``cdist`` = relative
       consensus distance);

@@ -372,15 +372,18 @@ def test_the_deadline_is_the_timeout_until_measured_then_median_plus_mads_with_a
 def _leaves(rank: int, world: int, rounds: int, leave_after: int) -> dict:
     opt = _opt(topology="random", seed=5, timeout=30.0, outer_momentum=0.5)
     stop = leave_after if rank == 3 else rounds
-    blocked, errors = [], []
+    blocked, errors, failed, skipped = [], [], [], []
     for r in range(stop):
         _train(opt, rank, r * H, (r + 1) * H)
         s = opt.last_round
         blocked.append(s.round_seconds - s.inner_seconds)
         errors.append(s.errors)
+        failed.append(s.failed_exchanges)
+        skipped.append(s.skipped_exchanges)
     t0 = time.perf_counter()
     opt.close()
-    return {"rounds": opt.round, "blocked": blocked, "errors": errors, "close": time.perf_counter() - t0}
+    return {"rounds": opt.round, "blocked": blocked, "errors": errors, "failed": failed, "skipped": skipped,
+            "skipped_total": opt.skipped_exchanges_total, "close": time.perf_counter() - t0}
 
 
 def test_a_worker_that_closes_early_costs_its_peers_no_timeout(tmp_path):
@@ -393,8 +396,12 @@ def test_a_worker_that_closes_early_costs_its_peers_no_timeout(tmp_path):
         assert r["close"] < 5.0
         for errs in r["errors"][leave_after:]:
             assert all("rank 3" in e and ("left" in e or "declined" in e or "discarded" in e) for e in errs), errs
-    # the departed worker was met (and failed fast) at least once after it left
+    # the departed worker was met (and skipped at once) at least once after it left
     assert any(r["errors"][k] for r in res[:3] for k in range(leave_after, rounds))
+    # a departure is a skip, not a failure: nothing failed, and every line in errors is a counted skip
+    assert all(f == 0 for r in res for f in r["failed"])
+    assert all(len(r["errors"][k]) == r["skipped"][k] for r in res[:3] for k in range(rounds))
+    assert sum(r["skipped_total"] for r in res[:3]) >= 1 and res[3]["skipped_total"] == 0
 
 
 def _terminated(rank: int, world: int, rounds: int, at: int) -> dict:

@@ -22,7 +22,8 @@ all-gather.
 **Idle**: the worker keeps its own value.
 
 A failed, rejected, declined or skipped exchange leaves the worker's row of the mixing matrix as the identity for
-that gossip round (it keeps its own value), is counted in :class:`MixResult` and logged.
+that gossip round (it keeps its own value), is counted in :class:`MixResult` (``failed``, or ``skipped`` when no
+timeout was spent: the peer left, declined, is absent, restarted or ahead, or is in back-off) and logged.
 
 **Deadlines.** Until the peer's first payload arrives, a pair exchange waits at most ``timeout`` and only while
 the peer is live: the transport's heartbeat and departure notices are polled every 0.25 s, so a dead, hung
@@ -92,7 +93,10 @@ class MixResult:
         bytes_sent, bytes_received: bytes on the wire (frames with their headers, accept bytes, digests), summed
             over gossip rounds.
         exchanges: gossip rounds in which this worker had a peer (or took part in a group average).
-        failed: exchanges that failed, timed out, were rejected, declined by the peer or skipped (back-off).
+        failed: exchanges that failed, timed out or were rejected (a bad frame, out of scale, aborted by the peer).
+        skipped: exchanges not made, with no timeout spent: the peer had left, its slot was empty, it restarted or
+            moved on to a later outer round, it declined (it is backing off from this worker), or this worker is
+            backing off from it (:class:`PeerHealth`). Not in ``failed``.
         peers: this worker's peer in each gossip round (None: idle; -1: group average).
         distance_sq: per tensor, the squared disagreement ``‖q(x_i) − q(x_peer)‖²`` of the first successful
             exchange (as transmitted; for a group step ``2‖x_i − x̄‖²``, the same scale), or None.
@@ -102,7 +106,7 @@ class MixResult:
         out_of_scale: exchanges rejected because the peer's values were out of scale (``MAX_RATIO``).
         deadline: the adaptive deadline (seconds) of this mix's pair conversations, or None without any.
         seconds: wall time of the mix.
-        errors: one line per failure.
+        errors: one line per failed or skipped exchange.
     """
 
     values: list[torch.Tensor]
@@ -110,6 +114,7 @@ class MixResult:
     bytes_received: int = 0
     exchanges: int = 0
     failed: int = 0
+    skipped: int = 0
     peers: list[int | None] = field(default_factory=list)
     distance_sq: list[float] | None = None
     norm_sq: list[float] | None = None
@@ -301,6 +306,13 @@ class Mixer:
         res.errors.append(msg)
         log.warning("fgdiloco %s: %s; %s", self.name, msg, outcome)
 
+    def _skip(self, res: MixResult, msg: str) -> None:
+        """An exchange not made (the peer left, declined, is absent or ahead; or back-off): no timeout was spent,
+        so it is counted apart from failures and logged at INFO."""
+        res.skipped += 1
+        res.errors.append(msg)
+        log.info("fgdiloco %s: %s; keeping own value for this gossip round", self.name, msg)
+
     # ------------------------------------------------------------------ pair
     def _pair(self, res: MixResult, peer: int, idx: int, outer_round: int) -> float:
         res.peers.append(peer)
@@ -309,14 +321,14 @@ class Mixer:
         prepared = self._prepared.pop(key, None) is not None
         self._returned(peer)
         if self.transport.has_left(peer):
-            self._fail(res, f"rank {peer} has left (departure notice)")
+            self._skip(res, f"rank {peer} has left (departure notice)")
             return 0.0
         if not prepared and self.health.skip(peer, outer_round):
             try:
                 self.transport.decline(peer, key=key)  # the peer's open() fails at once instead of timing out
             except Exception as err:  # noqa: BLE001 - a store we cannot reach: the peer times out as before
                 log.debug("fgdiloco %s: could not post a skip notice for %s: %s", self.name, key, err)
-            self._fail(res, f"rank {peer} skipped (back-off after failures)")
+            self._skip(res, f"rank {peer} skipped (back-off after failures)")
             return 0.0
         values = res.values
         counts = [0, 0]  # bytes sent, received (kept even when the conversation fails midway)
@@ -332,8 +344,11 @@ class Mixer:
             res.out_of_scale += 1
             self._fail(res, str(e))
             return 0.0
-        except (_Rejected, PeerDeclined) as e:  # PeerLeft is a PeerDeclined: no back-off needed either
+        except _Rejected as e:
             self._fail(res, str(e))
+            return 0.0
+        except PeerDeclined as e:  # PeerLeft is a PeerDeclined: no back-off needed either
+            self._skip(res, str(e))
             return 0.0
         except ExchangeError as e:
             try:  # a peer that left dropped its end of a prepared group: not a failure to back off from
@@ -341,7 +356,7 @@ class Mixer:
             except Exception:  # noqa: BLE001 - a store we cannot reach: treat it as a plain failure
                 left = False
             if left:
-                self._fail(res, f"{e} (rank {peer} has left: departure notice)")
+                self._skip(res, f"{e} (rank {peer} has left: departure notice)")
             else:
                 self.health.failure(peer, outer_round)
                 self._fail(res, str(e))

@@ -35,7 +35,10 @@ class RoundStats:
         pseudo_gradient_distance, pseudo_gradient_relative: the same for Mix2's pseudo-gradients before mixing
             (with a low-rank codec: of the part in the pair's shared basis, the part that is mixed).
         momentum_distance: the same (RMS per element) for the outer momentum buffers when Mix1 carries them.
-        failed_exchanges: exchanges of either mix that failed, timed out, were rejected, declined or skipped.
+        failed_exchanges: exchanges of either mix that failed, timed out or were rejected.
+        skipped_exchanges: exchanges of either mix not made, with no timeout spent: the peer had left, its slot was
+            empty, it restarted or was in a later outer round, it declined, or this worker was backing off from it
+            (:class:`fgdiloco.gossip.mix.MixResult`). Not in ``failed_exchanges``.
         out_of_scale: exchanges (of either mix) rejected because the peer's values were out of scale against this
             worker's own (``‖q_peer‖ > 100·‖own‖``, :mod:`fgdiloco.gossip.mix`); also in ``failed_exchanges``.
         deadline_seconds: the adaptive deadline of Mix2's pair conversations in this round (seconds allowed after
@@ -45,7 +48,7 @@ class RoundStats:
         rejoins: times this worker has (re)joined the job at its live round so far (:meth:`FGDiLoCo.rejoin`: after
             a restart, or after it fell ``CATCH_UP_ROUNDS`` behind, e.g. hung); elastic jobs only.
         mix1_peers, mix2_peers: the peer of each gossip round (None: no peer, -1: all-reduce).
-        errors: one line per failure.
+        errors: one line per failed or skipped exchange.
     """
 
     round: int
@@ -67,6 +70,7 @@ class RoundStats:
     pseudo_gradient_distance: float | None = None
     pseudo_gradient_relative: float | None = None
     momentum_distance: float | None = None
+    skipped_exchanges: int = 0
     out_of_scale: int = 0
     deadline_seconds: float | None = None
     mix1_deadline_seconds: float | None = None

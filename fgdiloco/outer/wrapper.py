@@ -345,6 +345,7 @@ class FGDiLoCo:
         self._paused_seconds = 0.0
         self.last_round: RoundStats | None = None
         self.failed_exchanges_total = 0
+        self.skipped_exchanges_total = 0
         self.out_of_scale_total = 0
         self.rejoins = 0
         self._joined = not elastic  # an elastic worker joins at the live round at its first step
@@ -530,14 +531,15 @@ class FGDiLoCo:
         if self.transport is None:
             return
         try:
-            rounds = sorted(self.transport.peer_rounds().values())
+            if behind <= 1:
+                live = self.transport.live_round()
+            else:
+                rounds = sorted(self.transport.peer_rounds().values())
+                live = rounds[(len(rounds) - 1) // 2] if rounds else None
         except Exception as err:  # noqa: BLE001 - a store we cannot reach: stay where we are
             log.debug("fgdiloco: could not read the peers' rounds: %s", err)
             return
-        if not rounds:
-            return
-        live = rounds[-1] if behind <= 1 else rounds[(len(rounds) - 1) // 2]
-        if live - self._round < behind:
+        if live is None or live - self._round < behind:
             return
         if adopt and self._adopt():
             return
@@ -692,6 +694,7 @@ class FGDiLoCo:
             pseudo_gradient_relative=cons_d[1] if cons_d else None,
             momentum_distance=cons_m[0] if cons_m else None,
             failed_exchanges=mix1.failed + mix2.failed,
+            skipped_exchanges=mix1.skipped + mix2.skipped,
             out_of_scale=mix1.out_of_scale + mix2.out_of_scale,
             deadline_seconds=mix2.deadline,
             mix1_deadline_seconds=mix1.deadline,
@@ -702,6 +705,7 @@ class FGDiLoCo:
             errors=mix1.errors + mix2.errors,
         )
         self.failed_exchanges_total += stats.failed_exchanges
+        self.skipped_exchanges_total += stats.skipped_exchanges
         self.out_of_scale_total += stats.out_of_scale
         self.last_round = stats
         self._round += 1

@@ -61,8 +61,9 @@ EVENTS: dict[str, str] = {
     "start": "a process took the slot: worker, life (torchrun's restart count), pid, time (unix s), info (what "
              "run.json holds), resumed_round (the round of the checkpoint it loaded; None: the seeded init)",
     "row": "an evaluation point: round, step, eval_loss, train_loss, utilisation, bytes_sent, failed_exchanges, "
-           "consensus_distance, mix timings, rejoins (this worker's, all lives), peak_rss_bytes, wall_seconds and "
-           "train_seconds (the worker's clocks, continued from its checkpoint), time (unix s)",
+           "skipped_exchanges, consensus_distance, mix timings, rejoins (this worker's, all lives), "
+           "peak_rss_bytes, wall_seconds and train_seconds (the worker's clocks, continued from its checkpoint), "
+           "time (unix s)",
     "rejoin": "the worker joined the job's live round: round (joined), from_round (where it was), step, life, "
               "time (unix s)",
     "end": "the worker finished (or stopped at --max-seconds): round, step, clocks, peak_rss_bytes, rejoins",
@@ -207,7 +208,7 @@ def train_elastic(cfg: TrainConfig) -> dict[str, Any]:
                     "rejoins": rejoins_total, "peak_rss_bytes": _peak_rss(), "over_max_seconds": over,
                 }
                 for key in ("utilisation", "bytes_sent", "mix2_seconds", "mix1_wait_seconds", "mix1_seconds",
-                            "round_seconds", "consensus_distance", "failed_exchanges"):
+                            "round_seconds", "consensus_distance", "failed_exchanges", "skipped_exchanges"):
                     row[key] = stats[key] if stats else None
                 if cfg.net_counters:
                     row.update(net_tx_bytes=net[0] - net0[0], net_rx_bytes=net[1] - net0[1])

@@ -18,7 +18,8 @@ __all__ = ["Merger"]
 
 #: Worker row fields the merged row takes from the lowest reporting slot and averages over the reporters.
 _PER_WORKER = ("eval_loss", "train_loss", "utilisation", "bytes_sent", "consensus_distance")
-_LOWEST_ONLY = ("mix2_seconds", "mix1_wait_seconds", "mix1_seconds", "round_seconds", "failed_exchanges")
+_LOWEST_ONLY = ("mix2_seconds", "mix1_wait_seconds", "mix1_seconds", "round_seconds", "failed_exchanges",
+                "skipped_exchanges")
 
 
 class Merger:
@@ -134,6 +135,7 @@ class Merger:
             bytes_sent_per_worker_so_far=sum(x.get("bytes_sent") or 0.0 for x in upto) / self.workers,
             utilisation_so_far=sum(utils) / len(utils) if utils else None,
             failed_exchanges_so_far=int(sum(x.get("failed_exchanges") or 0 for x in upto)),
+            skipped_exchanges_so_far=int(sum(x.get("skipped_exchanges") or 0 for x in upto)),
         )
         for key in _LOWEST_ONLY:
             row[key] = first.get(key)

@@ -65,6 +65,8 @@ ROW_FIELDS: dict[str, str] = {
     "bytes_sent_per_worker_so_far": "bytes sent since the start, mean over workers",
     "utilisation_so_far": "utilisation since the start, mean over workers and rounds",
     "failed_exchanges_so_far": "failed gossip exchanges since the start, all workers together",
+    "skipped_exchanges_so_far": "gossip exchanges not made since the start (the peer had left, was absent or in a "
+                                "later round, or was in back-off; no timeout spent), all workers together",
     "mix2_seconds": "rank 0: seconds blocked in Mix2 this round (baselines: in the all-reduce / averaging)",
     "mix1_wait_seconds": "rank 0: seconds waited for Mix1 to finish this round",
     "mix1_seconds": "rank 0: seconds Mix1 took in the background this round",
@@ -74,6 +76,7 @@ ROW_FIELDS: dict[str, str] = {
                           "the peer changes every round; FGDiLoCo's RoundStats.consensus_distance)",
     "consensus_distance_mean": "the same, mean over workers that had a Mix1 peer",
     "failed_exchanges": "rank 0's failed gossip exchanges this round",
+    "skipped_exchanges": "rank 0's gossip exchanges not made this round (see skipped_exchanges_so_far)",
     "activation_bytes_sent_per_worker_so_far": "--stages > 1 only: pipeline bytes each worker sent to its "
                                                "neighbouring stages since the start (forward activations + "
                                                "backward gradients, evaluation excluded), mean over workers",
@@ -116,6 +119,8 @@ SUMMARY_FIELDS: dict[str, str] = {
                              "frames; baselines: the ring all-reduce estimate 2(M-1)/M x the bytes reduced)",
     "bytes_sent_all_workers": "bytes sent over the run, all workers together",
     "failed_exchanges": "failed gossip exchanges over the run, all workers together",
+    "skipped_exchanges": "gossip exchanges not made over the run (the peer had left, was absent or in a later "
+                         "round, or was in back-off; no timeout spent), all workers together",
     "peak_rss_bytes": "largest peak resident memory of a worker process (bytes)",
     "restarts": "torchrun restarts of the workers, all together (elastic runs; 0 otherwise)",
     "rejoins": "times a worker joined the job's live round after a restart or having fallen behind (elastic runs)",
@@ -188,6 +193,7 @@ def summarise(info: dict[str, Any], rows: list[dict[str, Any]], *, interrupted: 
         "bytes_sent_per_worker": bytes_w,
         "bytes_sent_all_workers": bytes_w * workers,
         "failed_exchanges": int(last.get("failed_exchanges_so_far") or 0),
+        "skipped_exchanges": int(last.get("skipped_exchanges_so_far") or 0),
         "activation_bytes_sent": float(last.get("activation_bytes_sent_per_worker_so_far") or 0.0),
         "pipeline_bubble": last.get("pipeline_bubble_so_far"),
         "restarts": int(last.get("restarts_so_far") or 0),
@@ -302,6 +308,8 @@ def format_round(row: dict[str, Any], rounds: int, steps: int) -> str:
         parts.append(f"peer dist {row['consensus_distance_mean']:.3g}")
     if row.get("failed_exchanges"):
         parts.append(f"failed {row['failed_exchanges']}")
+    if row.get("skipped_exchanges"):
+        parts.append(f"skipped {row['skipped_exchanges']}")
     if rnd > 0:
         left = row["wall_seconds"] / rnd * (rounds - rnd)
         parts.append(f"{fmt_duration(row['wall_seconds'])} elapsed, ETA {fmt_duration(left)}")

@@ -567,7 +567,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     eval_seconds = 0.0
     util_sum = util_n = 0.0
     bytes_total = 0.0
-    failed_total = 0
+    failed_total = skipped_total = 0
     blocked_round = 0.0  # baselines: seconds blocked in communication in this round
     stop = False
     net0 = _net_bytes() if cfg.net_counters else (0.0, 0.0)
@@ -595,7 +595,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
         local = [loss, train_loss if train_loss is not None else 0.0, util if util is not None else 0.0,
                  bytes_round or 0.0, cons if cons is not None else 0.0, 1.0 if cons is not None else 0.0,
                  net[0] - net0[0], net[1] - net0[1], 1.0 if over else 0.0, bytes_total,
-                 util_sum / util_n if util_n else 0.0, float(failed_total)]
+                 util_sum / util_n if util_n else 0.0, float(failed_total), float(skipped_total)]
         if mesh is not None:  # only the last stages hold losses; replica 0's comes from its last stage
             local[0] = loss if has_loss else 0.0
             local[1] = train_loss if has_loss and train_loss is not None else 0.0
@@ -604,7 +604,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
         s = _all_sum(local, world)  # after the round: costs no round time (subtracted below)
         stop = s[8] > 0  # any rank past max_seconds: all stop after this round
         if mesh is not None:
-            loss, train_loss = s[12], (s[13] if train_loss is not None else None)
+            loss, train_loss = s[13], (s[14] if train_loss is not None else None)
         row = {
             "step": step,
             "round": rnd,
@@ -622,6 +622,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
             "bytes_sent_per_worker_so_far": s[9] / world,
             "utilisation_so_far": s[10] / world if util_n else None,
             "failed_exchanges_so_far": int(s[11]),
+            "skipped_exchanges_so_far": int(s[12]),
             "mix2_seconds": stats["mix2_seconds"] if stats else None,
             "mix1_wait_seconds": stats["mix1_wait_seconds"] if stats else None,
             "mix1_seconds": stats["mix1_seconds"] if stats else None,
@@ -629,10 +630,11 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
             "consensus_distance": cons,
             "consensus_distance_mean": s[4] / s[5] if s[5] else None,
             "failed_exchanges": stats["failed_exchanges"] if stats else None,
+            "skipped_exchanges": stats["skipped_exchanges"] if stats else None,
         }
         if mesh is not None:
-            row.update(activation_bytes_sent_per_worker_so_far=s[14] / world,
-                       pipeline_bubble_so_far=s[15] / world if step > 0 else None)
+            row.update(activation_bytes_sent_per_worker_so_far=s[15] / world,
+                       pipeline_bubble_so_far=s[16] / world if step > 0 else None)
         if cfg.net_counters:  # bytes on this worker's interface since training started (headers included)
             row.update(net_tx_bytes=net[0] - net0[0], net_rx_bytes=net[1] - net0[1], net_tx_bytes_mean=s[6] / world,
                        net_rx_bytes_mean=s[7] / world)
@@ -685,7 +687,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
                 util_b = min(max(1.0 - blocked_round / round_seconds, 0.0), 1.0)
                 stats = {"utilisation": util_b, "round_seconds": round_seconds, "consensus_distance": None,
                          "mix2_seconds": blocked_round, "mix1_wait_seconds": None, "mix1_seconds": None,
-                         "failed_exchanges": 0}
+                         "failed_exchanges": 0, "skipped_exchanges": 0}
                 blocked_round = 0.0
                 t_round = time.perf_counter()
                 util_sum += util_b
@@ -702,6 +704,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
                 util_sum += stats["utilisation"]
                 util_n += 1
                 failed_total += stats["failed_exchanges"]
+                skipped_total += stats["skipped_exchanges"]
             done_rounds += 1
             bytes_total += bytes_round
             train_loss = sum(round_losses) / len(round_losses)
