@@ -233,6 +233,9 @@ def launch(script: Sequence[str], workers: int, *, max_restarts: int = 3, store:
     logs = Path(log_dir) if log_dir is not None else None
     if logs is not None:
         logs.mkdir(parents=True, exist_ok=True)
+    print(f"[fgdiloco] launch: workers {first_worker}..{first_worker + workers - 1} of {slots} slots on the gossip "
+          f"store {address}, each its own torchrun job (max {max_restarts} restarts)"
+          + (f"; their output goes to {logs}/worker<k>.log" if logs is not None else ""), file=sys.stderr, flush=True)
     procs: list[subprocess.Popen[bytes]] = []
     files = []
     try:
@@ -260,6 +263,7 @@ def launch(script: Sequence[str], workers: int, *, max_restarts: int = 3, store:
         if served is not None:
             served.close()
     failed = [first_worker + i for i, c in enumerate(codes) if c != 0]
-    if failed:
-        log.warning("fgdiloco launch: workers %s failed for good (after %d restarts each)", failed, max_restarts)
+    print(f"[fgdiloco] launch: {workers - len(failed)} of {workers} workers finished"
+          + (f"; workers {failed} failed for good (after {max_restarts} restarts each)" if failed else ""),
+          file=sys.stderr, flush=True)
     return len(failed)

@@ -80,7 +80,10 @@ def test_a_worker_that_dies_restarts_rejoins_and_the_job_ends_as_if_uninterrupte
     clean.mkdir()
     crash.mkdir()
     # one after the other: side by side, the restarted worker's torch import competes with 7 busy workers
-    _finish(_launch(env, clean, "--checkpoint-dir", str(clean / "ckpt"), *LONGER))
+    said = _finish(_launch(env, clean, "--checkpoint-dir", str(clean / "ckpt"), *LONGER))
+    # fgdiloco launch says what it started, where the output goes, and how the workers ended
+    assert "launch: workers 0..3 of 4 slots on the gossip store" in said and "worker<k>.log" in said, said
+    assert "launch: 4 of 4 workers finished" in said, said
     _finish(_launch(env, crash, "--checkpoint-dir", str(crash / "ckpt"), "--crash-worker", "3", "--crash-round", "3",
                     *LONGER))
     base, hit = _results(clean / "res"), _results(crash / "res")

@@ -17,7 +17,7 @@ from fgdiloco.elastic import GossipStore, connect, settings
 from fgdiloco.factor import Dense
 from fgdiloco.gossip.mix import Mixer, PeerHealth
 from fgdiloco.gossip.topology import make_topology
-from fgdiloco.gossip.transport import DistributedTransport, PeerDeclined
+from fgdiloco.gossip.transport import Background, DistributedTransport, PeerDeclined, drain_background
 
 
 @pytest.fixture
@@ -148,6 +148,8 @@ def test_rounds_are_published_and_the_live_round_is_the_newest(store):
     again = _transport(store, 2, 3)  # a restart continues from the slot's published round
     again.publish_round(10)
     assert ts[0].peer_round(2) == 10
+    again.leave()  # a departed worker is no longer waited for, but the round it reached still counts for joining
+    assert ts[0].peer_rounds() == {1: 4} and ts[0].live_round() == 10
     for t in (ts[0], ts[1], again):
         t.close()
 
@@ -245,3 +247,27 @@ def test_launch_and_store_refuse_bad_options_with_one_line(capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert text in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_exit_drain_waits_for_exchanges_started_while_it_waits_and_reports_what_is_left():
+    """What runs at interpreter exit (a thread inside Gloo then aborts the process): every Background, one started
+    by another meanwhile included, is waited for within the limit; what is still running is named."""
+    stuck = threading.Event()
+    job = Background(lambda: stuck.wait(30), "stuck exchange")
+    assert "stuck exchange" in drain_background(0.2)
+    stuck.set()
+    assert job.wait(5)
+
+    first_go, second_go = threading.Event(), threading.Event()
+
+    def first() -> Background:
+        first_go.wait(30)
+        return Background(lambda: second_go.wait(30), "second exchange")
+
+    Background(first, "first exchange")
+    timers = [threading.Timer(0.1, first_go.set), threading.Timer(0.4, second_go.set)]
+    for t in timers:
+        t.start()
+    left = drain_background(10)
+    assert "first exchange" not in left and "second exchange" not in left, left
+    assert second_go.is_set()  # it returned after the second one ended, not when the first did

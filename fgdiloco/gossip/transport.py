@@ -126,11 +126,13 @@ def drain_background(limit: float) -> list[str]:
     given up on whose thread is still inside Gloo until its own timeout: a thread inside Gloo when the interpreter
     exits aborts the process ("terminate called without an active exception"). Returns what is still running."""
     t_end = time.monotonic() + limit
-    with _RUNNING_LOCK:
-        running = list(_RUNNING)
-    for job in running:
-        job.wait(max(t_end - time.monotonic(), 0.0))
-    return running_background()
+    while True:  # until none is left (one started meanwhile included) or the time is up
+        with _RUNNING_LOCK:
+            running = list(_RUNNING)
+        left = t_end - time.monotonic()
+        if not running or left <= 0:
+            return [job.what for job in running]
+        running[0].wait(min(left, 0.5))
 
 
 class Background:
@@ -271,8 +273,10 @@ class Transport(abc.ABC):
         return {}
 
     def live_round(self) -> int | None:
-        """The newest outer round a peer in the job has started (None: not known): a worker that restarted, or
-        hung and came back, joins the job there (``FGDiLoCo.rejoin``)."""
+        """The newest outer round a peer of the job has started (None: not known), departed peers included: a
+        worker that restarted, or hung and came back, joins the job there (``FGDiLoCo.rejoin``), and one that
+        restarts after every peer finished joins at the job's end instead of training the remaining rounds alone.
+        (Falling behind is judged against :meth:`peer_rounds`, the peers still in the job.)"""
         rounds = self.peer_rounds()
         return max(rounds.values()) if rounds else None
 
@@ -542,6 +546,15 @@ class DistributedTransport(Transport):
         """Whether some other slot holds a live worker (joined, not departed, heartbeat moving): one that may
         still answer a state request."""
         return any(self._peer_gone(store, r, since) is None for r in range(self.world_size) if r != self.rank)
+
+    def live_round(self) -> int | None:
+        # departed peers count too: a worker restarted after the others finished joins at the job's end
+        if not self.elastic:
+            return None
+        with self._stores.lease() as store:
+            rounds = [store.add(self._round_key(r), 0) for r in range(self.world_size)
+                      if r != self.rank and store.add(self._alive_key(r), 0) > 0]
+        return max(rounds) if rounds else None
 
     def peer_rounds(self) -> dict[int, int]:
         if not self.elastic:
