@@ -113,7 +113,7 @@ def _summary(run: dict, faulty: int | None, clean: dict | None) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=40)
+    p.add_argument("--rounds", type=int, default=120)
     p.add_argument("--sync-every", type=int, default=20)
     p.add_argument("--crash-round", type=int, default=5)
     p.add_argument("--hang-seconds", type=float, default=15.0)
