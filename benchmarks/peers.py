@@ -144,7 +144,8 @@ def peer_worker(raw: dict[str, Any]) -> int:
         split_tokens,
     )
     from fgdiloco.pretrain.model import GPT, GPTConfig
-    from fgdiloco.pretrain.worker import TrainConfig, _adamw, _evaluate, _lr_at, _net_bytes, make_codec
+    from fgdiloco.pretrain.recipe import clip_gradients, held_out_loss, inner_optimizer, net_bytes, next_batch
+    from fgdiloco.pretrain.worker import TrainConfig, make_codec
 
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     cfg = TrainConfig(**{k: v for k, v in raw.items() if k in known}).validate()
@@ -164,7 +165,7 @@ def peer_worker(raw: dict[str, Any]) -> int:
     torch.manual_seed(cfg.seed)
     model = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer,
                           n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout))
-    inner = _adamw(model, cfg)
+    inner = inner_optimizer(model, cfg)
     eval_gen = torch.Generator().manual_seed(cfg.seed + 7919)
     eval_set = [sample_batch(val, cfg.batch_size, cfg.block_size, eval_gen) for _ in range(cfg.eval_batches)]
     batch_gen = torch.Generator().manual_seed(cfg.seed * 100_003 + rank + 1)
@@ -221,7 +222,7 @@ def peer_worker(raw: dict[str, Any]) -> int:
     rows: list[dict[str, Any]] = []
     kept: list[dict[str, torch.Tensor]] = []
     eval_seconds = 0.0
-    net0 = _net_bytes()
+    net0 = net_bytes()
     cpu0 = _cpu_seconds()
     t_start = time.perf_counter()
     t_round = t_start
@@ -231,7 +232,7 @@ def peer_worker(raw: dict[str, Any]) -> int:
         nonlocal eval_seconds, t_round
         t0 = time.perf_counter()
         wall = t0 - t_start
-        net = _net_bytes()
+        net = net_bytes()
         stop = cfg.max_seconds is not None and wall - eval_seconds >= cfg.max_seconds
         if use_flag:
             flag = torch.tensor([1.0 if stop else 0.0])
@@ -253,13 +254,10 @@ def peer_worker(raw: dict[str, Any]) -> int:
             inner.register_step_post_hook(after)
         record(0, 0, None, None, None, {})
         for step in range(cfg.steps):
-            for g in inner.param_groups:
-                g["lr"] = _lr_at(cfg, step)
-            x, y = sample_batch(train, cfg.batch_size, cfg.block_size, batch_gen)
+            x, y = next_batch(inner, cfg, step, train, batch_gen)
             _, loss = model(x, y)
             loss.backward()
-            if cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            clip_gradients(model.parameters(), cfg)
             inner.step()
             inner.zero_grad(set_to_none=True)
             steps_done = step + 1
@@ -292,7 +290,7 @@ def peer_worker(raw: dict[str, Any]) -> int:
         fg.close()
     for row, weights in zip(rows, kept):  # deferred evaluation, after training
         model.load_state_dict(weights)
-        row["eval_loss"] = _evaluate(model, eval_set)
+        row["eval_loss"] = held_out_loss(model, eval_set)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".rank{rank}.jsonl.tmp"
     tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -70,7 +70,8 @@ from fgdiloco.pretrain.data import (
     unigram_loss,
 )
 from fgdiloco.pretrain.model import GPT, GPTConfig
-from fgdiloco.pretrain.worker import TrainConfig, _adamw, _lr_at
+from fgdiloco.pretrain.recipe import clip_gradients, inner_optimizer, next_batch
+from fgdiloco.pretrain.worker import TrainConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -110,17 +111,14 @@ def run_variant(k: int | None, cfg: TrainConfig, data: dict, eval_every: int) ->
     torch.manual_seed(cfg.seed)
     model = GPT(gcfg, subspace_rank=k, subspace_seed=cfg.seed)
     codec = None if k is None else model.subspace_codec(check=False)  # checked at the end, see below
-    opt = _adamw(model, cfg)
+    opt = inner_optimizer(model, cfg)
     g = torch.Generator().manual_seed(cfg.seed)  # the same batches, in the same order, for every variant
     curve, fwd, bwd, seconds = [], [], [], []
     for step in range(cfg.steps):
-        for group in opt.param_groups:
-            group["lr"] = _lr_at(cfg, step)
-        x, y = sample_batch(data["train"], cfg.batch_size, cfg.block_size, g)
+        x, y = next_batch(opt, cfg, step, data["train"], g)
         t0 = time.perf_counter()
         loss, f, b = two_stage_step(model, x, y, codec, cfg.n_layer // 2)
-        if cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        clip_gradients(model.parameters(), cfg)
         opt.step()
         opt.zero_grad(set_to_none=True)
         seconds.append(time.perf_counter() - t0)

@@ -37,8 +37,9 @@ from fgdiloco.pretrain.launcher import (
     finish_interrupted,
 )
 from fgdiloco.pretrain.model import GPT, GPTConfig
+from fgdiloco.pretrain.recipe import lr_at
 from fgdiloco.pretrain.results import ROW_FIELDS, SUMMARY_FIELDS, format_round, read_rows, summarise
-from fgdiloco.pretrain.worker import DEPARTURES, TrainConfig, _lr_at, train_worker
+from fgdiloco.pretrain.worker import DEPARTURES, TrainConfig, train_worker
 from tests.distributed import run_ranks
 
 FIXTURE = Path(__file__).parent / "fixtures" / "moby_dick_ch1-29.txt"
@@ -187,9 +188,9 @@ def test_tiny_gpt_overfits_one_batch():
 # ------------------------------------------------------------------------------------------------ the worker
 def test_lr_schedule():
     cfg = TrainConfig(steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.1)
-    assert _lr_at(cfg, 0) == pytest.approx(0.1) and _lr_at(cfg, 9) == pytest.approx(1.0)
-    assert _lr_at(cfg, 10) == pytest.approx(1.0) and _lr_at(cfg, 100) == pytest.approx(0.1)
-    assert all(_lr_at(cfg, s) >= _lr_at(cfg, s + 1) for s in range(10, 100))
+    assert lr_at(cfg, 0) == pytest.approx(0.1) and lr_at(cfg, 9) == pytest.approx(1.0)
+    assert lr_at(cfg, 10) == pytest.approx(1.0) and lr_at(cfg, 100) == pytest.approx(0.1)
+    assert all(lr_at(cfg, s) >= lr_at(cfg, s + 1) for s in range(10, 100))
 
 
 def _run_worker(rank: int, world: int, cfg: TrainConfig) -> dict:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import resource
 import signal
 import sys
 import time
@@ -35,17 +34,8 @@ import torch
 
 from .data import sample_batch, split_tokens, unigram_loss
 from .model import GPT, GPTConfig
-from .worker import (
-    TrainConfig,
-    _adamw,
-    _evaluate,
-    _lr_at,
-    _net_bytes,
-    batch_seed,
-    load_tokens,
-    make_codec,
-    run_info,
-)
+from .recipe import clip_gradients, held_out_loss, inner_optimizer, net_bytes, next_batch, peak_rss_bytes
+from .worker import TrainConfig, batch_seed, load_tokens, make_codec, run_info
 
 __all__ = ["CHECKPOINT_FORMAT", "EVENTS", "checkpoint_path", "main", "rows_path", "stop_path", "train_elastic"]
 
@@ -84,10 +74,6 @@ def stop_path(out: str | os.PathLike[str]) -> Path:
     """``<out>/workers/stop``: written by the first worker past ``max_seconds``; every worker stops at its next
     evaluation point once it is there (the workers share no collective to agree on it)."""
     return Path(out) / "workers" / "stop"
-
-
-def _peak_rss() -> int:
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def _save_checkpoint(path: Path, state: dict[str, Any]) -> None:
@@ -135,7 +121,7 @@ def train_elastic(cfg: TrainConfig) -> dict[str, Any]:
         model = GPT(GPTConfig(vocab_size=vocab, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
                               n_embd=cfg.n_embd, dropout=cfg.dropout), subspace_rank=cfg.subspace_rank)
         n_params = model.num_parameters(non_embedding=False)
-        inner = _adamw(model, cfg)
+        inner = inner_optimizer(model, cfg)
         eval_gen = torch.Generator().manual_seed(cfg.seed + 7919)
         eval_set = [sample_batch(val, cfg.batch_size, cfg.block_size, eval_gen) for _ in range(cfg.eval_batches)]
         batch_gen = torch.Generator().manual_seed(batch_seed(cfg, slot))
@@ -186,7 +172,7 @@ def train_elastic(cfg: TrainConfig) -> dict[str, Any]:
             rejoined(frm)
         t_life = time.perf_counter()
         eval_life = 0.0
-        net0 = _net_bytes() if cfg.net_counters else (0.0, 0.0)
+        net0 = net_bytes() if cfg.net_counters else (0.0, 0.0)
         stop = False
         stop_file = stop_path(out)
 
@@ -200,12 +186,12 @@ def train_elastic(cfg: TrainConfig) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 wall, train_s = clocks()
                 over = cfg.max_seconds is not None and train_s >= cfg.max_seconds
-                loss = _evaluate(model, eval_set)
-                net = _net_bytes() if cfg.net_counters else (0.0, 0.0)
+                loss = held_out_loss(model, eval_set)
+                net = net_bytes() if cfg.net_counters else (0.0, 0.0)
                 row = {
                     "round": rnd, "step": step, "wall_seconds": wall, "train_seconds": train_s,
                     "eval_loss": loss, "train_loss": train_loss,
-                    "rejoins": rejoins_total, "peak_rss_bytes": _peak_rss(), "over_max_seconds": over,
+                    "rejoins": rejoins_total, "peak_rss_bytes": peak_rss_bytes(), "over_max_seconds": over,
                 }
                 for key in ("utilisation", "bytes_sent", "mix2_seconds", "mix1_wait_seconds", "mix1_seconds",
                             "round_seconds", "consensus_distance", "failed_exchanges", "skipped_exchanges"):
@@ -239,13 +225,10 @@ def train_elastic(cfg: TrainConfig) -> dict[str, Any]:
             round_losses: list[float] = []
             while opt.round < rounds and not stop:
                 step = opt.round * H + in_round
-                for g in inner.param_groups:
-                    g["lr"] = _lr_at(cfg, step)
-                x, y = sample_batch(train, cfg.batch_size, cfg.block_size, batch_gen)
+                x, y = next_batch(inner, cfg, step, train, batch_gen)
                 _, loss = model(x, y)
                 loss.backward()
-                if cfg.grad_clip > 0:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                clip_gradients(model.parameters(), cfg)
                 before, seen, rejoins_before = opt.round, opt.last_round, opt.rejoins
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -272,7 +255,7 @@ def train_elastic(cfg: TrainConfig) -> dict[str, Any]:
             opt.close()
         wall, train_s = clocks()
         return emit("end", round=opt.round, step=min(opt.round * cfg.sync_every, cfg.steps), wall_seconds=wall,
-                    train_seconds=train_s, eval_seconds=base_eval + eval_life, peak_rss_bytes=_peak_rss(),
+                    train_seconds=train_s, eval_seconds=base_eval + eval_life, peak_rss_bytes=peak_rss_bytes(),
                     rejoins=rejoins_total, stopped=stop)
     finally:
         sink.close()

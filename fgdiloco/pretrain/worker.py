@@ -22,7 +22,6 @@ import inspect
 import json
 import math
 import os
-import resource
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -42,6 +41,7 @@ from .data import (
     unigram_loss,
 )
 from .model import GPT, GPTConfig
+from .recipe import clip_gradients, held_out_loss, inner_optimizer, net_bytes, next_batch, peak_rss_bytes
 from .results import format_round, plot, summarise, write_json
 
 __all__ = ["CODECS", "TOPOLOGIES", "TrainConfig", "launch", "train_worker"]
@@ -262,22 +262,6 @@ def _init_distributed() -> bool:
     return True
 
 
-def _lr_at(cfg: TrainConfig, step: int) -> float:
-    """Learning rate of inner step ``step`` (0-based): linear warm-up, then cosine decay to ``min_lr_ratio``."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(cfg.steps - cfg.warmup_steps, 1)
-    progress = min((step - cfg.warmup_steps) / span, 1.0)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def _adamw(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
-
-
 def load_tokens(cfg: TrainConfig) -> tuple[torch.Tensor, int, dict[str, Any]]:
     """The token ids of ``cfg.data`` (1-D long), the vocabulary size and ``{"chars", "cache_dir",
     "data_seconds"}``: the tokenizer and ids come from the cache :func:`~fgdiloco.pretrain.launcher.preflight`
@@ -360,30 +344,11 @@ class _Recorder:
             self._file = None
 
 
-def _net_bytes() -> tuple[float, float]:
-    """(tx, rx) byte counters of the interface named by ``GLOO_SOCKET_IFNAME`` (0, 0 when unset or unreadable)."""
-    name = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
-    try:
-        base = Path("/sys/class/net") / name / "statistics"
-        return (float((base / "tx_bytes").read_text()), float((base / "rx_bytes").read_text()))
-    except (OSError, ValueError):
-        return (0.0, 0.0)
-
-
 def _all_sum(values: list[float], world: int) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     if world > 1:
         dist.all_reduce(t)
     return t.tolist()
-
-
-@torch.no_grad()
-def _evaluate(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    was_training = model.training
-    model.eval()
-    total = sum(float(model(x, y)[1]) for x, y in batches)
-    model.train(was_training)
-    return total / len(batches)
 
 
 def _evaluate_pipeline(pipe: Any, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
@@ -494,7 +459,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
         from .model import activation_codec_for, lm_loss
 
         model = model.split(cfg.stages)[mesh.stage]
-    inner = _adamw(model, cfg)
+    inner = inner_optimizer(model, cfg)
     eval_gen = torch.Generator().manual_seed(cfg.seed + 7919)
     eval_set = [sample_batch(val, cfg.batch_size, cfg.block_size, eval_gen) for _ in range(cfg.eval_batches)]
     batch_gen = torch.Generator().manual_seed(batch_seed(cfg, replica))
@@ -570,14 +535,14 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     failed_total = skipped_total = 0
     blocked_round = 0.0  # baselines: seconds blocked in communication in this round
     stop = False
-    net0 = _net_bytes() if cfg.net_counters else (0.0, 0.0)
+    net0 = net_bytes() if cfg.net_counters else (0.0, 0.0)
     t_start = time.perf_counter()
     t_round = t_start  # baselines: start of the current round (evaluation excluded)
     bubble_sum = 0.0  # pipeline: sum of the steps' bubble fractions
     deferred: list[tuple[dict[str, Any], dict[str, torch.Tensor]]] = []
 
     def evaluate() -> float:
-        return _evaluate(model, eval_set) if pipe is None else _evaluate_pipeline(pipe, eval_set)
+        return held_out_loss(model, eval_set) if pipe is None else _evaluate_pipeline(pipe, eval_set)
 
     def record(step: int, rnd: int, train_loss: float | None, stats: Any, bytes_round: float | None) -> None:
         with opt.paused() if opt is not None else contextlib.nullcontext():  # evaluation is not training time
@@ -587,7 +552,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
         nonlocal eval_seconds, stop, t_round
         t0 = time.perf_counter()
         wall = t0 - t_start
-        net = _net_bytes() if cfg.net_counters else (0.0, 0.0)
+        net = net_bytes() if cfg.net_counters else (0.0, 0.0)
         over = cfg.max_seconds is not None and wall - eval_seconds >= cfg.max_seconds
         loss = float("nan") if cfg.eval_deferred else evaluate()
         util = stats["utilisation"] if stats else None
@@ -652,9 +617,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
         done_rounds = 0
         steps_done = 0
         for step in range(cfg.steps):
-            for g in inner.param_groups:
-                g["lr"] = _lr_at(cfg, step)
-            x, y = sample_batch(train, cfg.batch_size, cfg.block_size, batch_gen)
+            x, y = next_batch(inner, cfg, step, train, batch_gen)
             if pipe is not None:  # forward + backward of the replica's batch through its stages
                 loss = pipe.step(x, y)
                 bubble_sum += pipe.last_step.bubble
@@ -665,8 +628,8 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
                 loss.backward()
             if ddp and world > 1:  # backward() returned when the last bucket's all-reduce did
                 blocked_round += time.perf_counter() - bucket_ready[0]
-            if cfg.grad_clip > 0 and pipe is None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            if pipe is None:
+                clip_gradients(model.parameters(), cfg)
             step_opt.step()
             if averager is not None:  # before zero_grad: PeriodicModelAverager averages parameters with a .grad
                 t_avg = time.perf_counter()
@@ -722,7 +685,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
             for row, weights in deferred:
                 model.load_state_dict(weights)
                 if mesh is None:
-                    row["eval_loss"] = _evaluate(model, eval_set)
+                    row["eval_loss"] = held_out_loss(model, eval_set)
                     row["eval_loss_mean"] = _all_sum([row["eval_loss"]], world)[0] / world
                 else:
                     v = _evaluate_pipeline(pipe, eval_set)
@@ -736,7 +699,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
             opt.close()
         rec.close()
 
-    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.int64)
+    peak = torch.tensor([peak_rss_bytes()], dtype=torch.int64)
     if world > 1:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     summary = summarise(info, rec.rows, extra={
