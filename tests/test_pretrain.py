@@ -482,13 +482,19 @@ def _wait_for_round(path: Path, proc: subprocess.Popen, rnd: int, timeout: float
     raise AssertionError(f"no round {rnd} in {path} (exit status {proc.poll()})")
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_after_round_1_stops_the_workers_and_leaves_an_interrupted_summary(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "fgdiloco", "pretrain", *TINY, "--steps", "100000", "--sync-every", "3",
            "--cache-dir", str(tmp_path / "cache"), "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200")
+    # its own process group with SIGINT at its default, as a terminal's foreground job (a suite started in the
+    # background of a non-interactive shell has SIGINT ignored, and an ignored SIGINT is inherited)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
-                            start_new_session=True)  # its own process group, as a terminal's foreground job
+                            start_new_session=True, preexec_fn=_default_sigint)
     try:
         _wait_for_round(out / "metrics.jsonl", proc, 1, timeout=240)
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: SIGINT to every process of the group
