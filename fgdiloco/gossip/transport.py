@@ -547,21 +547,21 @@ class DistributedTransport(Transport):
         still answer a state request."""
         return any(self._peer_gone(store, r, since) is None for r in range(self.world_size) if r != self.rank)
 
-    def live_round(self) -> int | None:
-        # departed peers count too: a worker restarted after the others finished joins at the job's end
-        if not self.elastic:
-            return None
-        with self._stores.lease() as store:
-            rounds = [store.add(self._round_key(r), 0) for r in range(self.world_size)
-                      if r != self.rank and store.add(self._alive_key(r), 0) > 0]
-        return max(rounds) if rounds else None
-
-    def peer_rounds(self) -> dict[int, int]:
+    def _slot_rounds(self, *, departed: bool) -> dict[int, int]:
+        """The published round of every other slot that ever held a worker; ``departed``: with those that left."""
         if not self.elastic:
             return {}
         with self._stores.lease() as store:
             return {r: store.add(self._round_key(r), 0) for r in range(self.world_size)
-                    if r != self.rank and store.add(self._alive_key(r), 0) > 0 and store.add(self._left_key(r), 0) == 0}
+                    if r != self.rank and store.add(self._alive_key(r), 0) > 0
+                    and (departed or store.add(self._left_key(r), 0) == 0)}
+
+    def live_round(self) -> int | None:
+        rounds = self._slot_rounds(departed=True)
+        return max(rounds.values()) if rounds else None
+
+    def peer_rounds(self) -> dict[int, int]:
+        return self._slot_rounds(departed=False)
 
     def _beat(self, store: dist.Store) -> None:
         while not self._stop.wait(HEARTBEAT_SECONDS):
