@@ -1,7 +1,7 @@
 """The ``fgdiloco`` console command.
 
 ``fgdiloco pretrain``: pretrain a small GPT on real text with Factored Gossip DiLoCo on local worker processes
-(defaults: 4 workers on the bundled public-domain corpus, about 3 minutes on 2 CPU cores). Everything that can be
+(defaults: 4 workers on the bundled public-domain corpus, about 4 minutes on 2 CPU cores). Everything that can be
 checked is checked before a worker starts (exit status 2, one line naming the option); a failed worker is reported
 in one line (exit 1) with its traceback kept under ``--out/logs``; Ctrl-C stops the workers, summarises the rounds
 done and exits with 130.
@@ -163,7 +163,7 @@ def add_pretrain_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "--stages > 1 are not elastic (one torchelastic job: one death ends the job). Writes run.json, "
                     "metrics.jsonl (one JSON row per evaluation), summary.json, loss.png, the workers' reports "
                     "(workers/), checkpoints/ and logs/ to --out. With no arguments it trains on the "
-                    "bundled public-domain corpus in about 3 minutes on 2 CPU cores. Defaults are the library's "
+                    "bundled public-domain corpus in about 4 minutes on 2 CPU cores. Defaults are the library's "
                     "(FGDiLoCo, LowRank) unless the option says why not. Exit status: 0 done, 1 a worker failed, "
                     "2 bad arguments (checked before any worker starts), 130 interrupted (Ctrl-C).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,

@@ -69,7 +69,7 @@ DEPARTURES: dict[str, str] = {
 
 @dataclass
 class TrainConfig:
-    """Everything a pretraining run needs. The defaults finish in about 3 minutes on 2 CPU cores.
+    """Everything a pretraining run needs. The defaults finish in about 4 minutes on 2 CPU cores.
 
     Run shape: ``workers`` replicas each take ``steps`` inner AdamW steps; every ``sync_every`` of them end an
     outer round (gossip). Tokens seen in total = ``workers * steps * batch_size * block_size``.
