@@ -184,7 +184,8 @@ def _row(worker: int, rnd: int, loss: float, **kw) -> dict:
     base = {"event": "row", "worker": worker, "life": 0, "round": rnd, "step": rnd * 10, "eval_loss": loss,
             "train_loss": loss + 0.1 if rnd else None, "utilisation": 0.5 if rnd else None,
             "bytes_sent": 100.0 * worker if rnd else None, "consensus_distance": 0.1 if rnd else None,
-            "failed_exchanges": 1 if rnd else None, "wall_seconds": 2.0 * rnd + worker,
+            "failed_exchanges": 1 if rnd else None, "skipped_exchanges": 2 if rnd else None,
+            "wall_seconds": 2.0 * rnd + worker,
             "train_seconds": 1.5 * rnd + worker, "peak_rss_bytes": 1000 + worker}
     base.update(kw)
     return base
@@ -217,6 +218,7 @@ def test_the_merger_waits_for_every_worker_or_its_end_and_averages_over_the_repo
     assert r1["tokens"] == 10 * 7 and r1["wall_seconds"] == 2.0 + 2  # the longest-lived clock (worker 2's)
     assert r1["bytes_sent_per_worker_so_far"] == pytest.approx((100.0 + 200.0) / 3)
     assert r1["failed_exchanges_so_far"] == 2 and r1["restarts_so_far"] == 1 and r1["rejoins_so_far"] == 0
+    assert r1["skipped_exchanges_so_far"] == 4  # counted apart from the failures
     # round 2: worker 2 ended for good (its torchrun job is gone) without reporting it
     _write(tmp_path / "worker0.jsonl", _row(0, 2, 3.0, life=1))
     _write(tmp_path / "worker1.jsonl", _row(1, 2, 3.5))
