@@ -215,7 +215,8 @@ def _resume_config(args: argparse.Namespace) -> tuple[Any, Path]:
     """The saved configuration of the run in ``--out`` for ``--resume``, with :data:`RESUMABLE` from ``args``.
 
     Raises:
-        PreflightError: no ``--out``, no saved run there, or an option that differs from the saved run's.
+        PreflightError: no ``--out``, no saved run there, or an option that differs from the saved run's (a
+            missing checkpoint is found by :func:`~fgdiloco.pretrain.launcher.launch_elastic`).
     """
     import dataclasses
     import json
@@ -231,13 +232,7 @@ def _resume_config(args: argparse.Namespace) -> tuple[Any, Path]:
     except (OSError, ValueError):
         raise PreflightError("--resume", f"found no run to continue in {str(out)!r} (no readable config.json; an "
                                          "elastic run writes it when it starts)") from None
-    from .pretrain.elastic_worker import checkpoint_path
-
-    missing = [k for k in range(int(saved.get("workers", 0))) if not checkpoint_path(out, k).is_file()]
-    if missing or not saved.get("workers"):
-        raise PreflightError("--resume", f"found no checkpoint of worker{'s' if len(missing) > 1 else ''} "
-                                         f"{missing} in {out / 'checkpoints'}: nothing to continue from (a run "
-                                         "writes them every --checkpoint-every rounds)")
+    # a worker without a checkpoint is refused by launch(resume=True) before anything is changed (PreflightError)
     d = TrainConfig()
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     for name in sorted(names - {"out", "quiet", "run_id", *RESUMABLE}):

@@ -146,6 +146,15 @@ def test_resume_continues_a_stopped_run_from_every_workers_checkpoint(tmp_path, 
     assert main(["pretrain", "--resume", "--out", str(out), "--steps", "30", *common]) == 2
     assert "--resume continues the saved configuration, but --steps 30 differs from the saved 24" in (
         capsys.readouterr().err)
+    # a worker without a checkpoint: refused in one line, and nothing of the stopped run is touched
+    hidden = out / "checkpoints" / "worker1.pt.away"
+    (out / "checkpoints" / "worker1.pt").rename(hidden)
+    reports = {k: (out / "workers" / f"worker{k}.jsonl").read_bytes() for k in range(2)}
+    assert main(["pretrain", "--resume", "--out", str(out), *common]) == 2
+    assert "--resume needs a checkpoint of every worker" in capsys.readouterr().err
+    assert (out / "summary.json").is_file() and {r["round"]: r for r in read_rows(out / "metrics.jsonl")} == before
+    assert {k: (out / "workers" / f"worker{k}.jsonl").read_bytes() for k in range(2)} == reports
+    hidden.rename(out / "checkpoints" / "worker1.pt")
 
     again = _start(["--resume", "--out", str(out), *common], tmp_path)
     stdout, stderr = _finish(again, 240)
