@@ -9,8 +9,8 @@ restarted worker rejoins at the job's live round by itself (``opt.rejoin()`` run
 
 ``--crash-worker K --crash-round R`` makes worker K die (``os._exit``) at round R of its first life, to watch a
 restart and rejoin; ``--leave-worker K --leave-round R`` makes it leave early (``opt.close()``: a departure notice).
-``--results DIR`` writes ``DIR/worker<k>.pid`` while a worker runs and ``DIR/worker<k>.json`` (rounds trained,
-held-out loss, rejoins, failed exchanges and their messages) when it finishes.
+``--results DIR`` writes ``DIR/worker<k>.pid`` when a worker starts (kept afterwards) and ``DIR/worker<k>.json``
+(rounds trained, held-out loss, rejoins, failed exchanges and their messages) when it finishes.
 """
 
 import argparse

@@ -209,7 +209,7 @@ def launch(script: Sequence[str], workers: int, *, max_restarts: int = 3, store:
         env: extra environment for the workers (``OMP_NUM_THREADS`` defaults to 1).
 
     Raises:
-        ValueError: an argument out of range (named).
+        ValueError: an argument out of range (named), or a script that is not a file.
     """
     for name, v, low in (("workers", workers, 1), ("max_restarts", max_restarts, 0), ("first_worker", first_worker, 0)):
         if isinstance(v, bool) or not isinstance(v, int) or v < low:
@@ -219,9 +219,12 @@ def launch(script: Sequence[str], workers: int, *, max_restarts: int = 3, store:
         raise ValueError(f"slots must be an int >= first_worker + workers = {first_worker + workers}, got {slots!r}")
     if not script:
         raise ValueError("script must name the worker's script (train.py ...) or module (-m pkg.mod ...)")
+    if store is not None:
+        _parse_address(store, "store")
+    if script[0] != "-m" and not Path(script[0]).is_file():  # else every worker fails and restarts for nothing
+        raise ValueError(f"script {script[0]!r} is not a file (give the worker's script, or -m pkg.mod)")
     served = GossipStore() if store is None else None
     address = served.address if served is not None else store
-    _parse_address(address, "store")
     base = dict(os.environ)
     base.setdefault("OMP_NUM_THREADS", "1")
     base.update(env or {})
