@@ -108,7 +108,7 @@ def test_a_worker_that_dies_restarts_rejoins_and_the_job_ends_as_if_uninterrupte
 
 # long enough that the fifth worker (a torchrun start-up and a torch import, 5-15 s) joins a running job also on a
 # quiet machine, where a round of the tiny GPT takes 0.1-0.3 s
-HANG_ROUNDS = ["--rounds", "40"]
+HANG_ROUNDS = ["--rounds", "60"]
 
 
 def _last_round(out: Path, k: int) -> int:
