@@ -24,6 +24,8 @@ import torch.distributed as dist
 
 
 def _init(rank: int, world: int, store_path: str, store: str) -> None:
+    if store == "none":  # no process group (elastic workers meet on a gossip store of their own)
+        return
     if store == "file":
         dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
         return
@@ -111,3 +113,38 @@ def run_ranks(fn: Callable[..., Any], world_size: int, tmp_path: Any, *args: Any
     if errors:
         raise AssertionError("\n".join(errors))
     return results
+
+
+def _serve_store(port_file: str) -> None:
+    """Child: serve a TCPStore (no worker hosts it) until killed; its port is published through ``port_file``."""
+    try:
+        server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+        with open(port_file + ".tmp", "w") as f:
+            f.write(str(server.port))
+        os.replace(port_file + ".tmp", port_file)
+        signal.pause()
+    finally:
+        os._exit(0)
+
+
+def run_workers_on_store(fn: Callable[..., Any], workers: int, tmp_path: Any, *args: Any,
+                         timeout: float = 120.0) -> list[Any]:
+    """Like :func:`run_ranks` without a process group: a forked child serves a gossip store (a TCPStore no worker
+    hosts, as ``fgdiloco store`` does) and worker ``k`` calls ``fn(k, workers, "127.0.0.1:PORT", *args)``."""
+    port_file = os.path.join(str(tmp_path), f"gossip-store-{time.monotonic_ns()}.port")
+    pid = os.fork()
+    if pid == 0:
+        _serve_store(port_file)
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(port_file):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the gossip store child did not publish its port")
+            time.sleep(0.005)
+        with open(port_file) as f:
+            address = f"127.0.0.1:{int(f.read())}"
+        return run_ranks(fn, workers, tmp_path, address, *args, timeout=timeout, store="none")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)

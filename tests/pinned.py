@@ -1,0 +1,220 @@
+"""Tiny deterministic runs whose per-round trajectories are pinned in ``tests/fixtures/pinned/*.json``.
+
+Each run returns, per worker, one record per outer round: the held-out loss of the worker's model on a fixed batch
+and a checksum of its parameters (float64 sum and sum of squares). ``tests/test_pinned.py`` compares them with the
+fixtures, so a change that only moves code (a refactor) can be checked to move no number.
+
+Write the fixtures anew (only when a change of behaviour is intended, and say so in the commit)::
+
+    python -m tests.pinned
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+FIXTURES = Path(__file__).parent / "fixtures" / "pinned"
+H = 3
+ROUNDS = 6
+
+
+def checksum(tensors: Any) -> list[float]:
+    """``[Σx, Σx²]`` in float64 over ``tensors``."""
+    flat = torch.cat([t.detach().reshape(-1).double() for t in tensors])
+    return [float(flat.sum()), float((flat ** 2).sum())]
+
+
+def _record(opt: Any, model: torch.nn.Module, rank: int) -> dict[str, Any]:
+    from tests.reference import loss_of
+
+    with torch.no_grad():
+        held = float(loss_of(model, rank, 10_000))
+    return {"round": opt.round, "loss": held, "params": checksum(model.parameters())}
+
+
+def _train_rounds(opt: Any, model: torch.nn.Module, rank: int, rounds: int = ROUNDS) -> list[dict[str, Any]]:
+    from tests.reference import loss_of
+
+    out = []
+    step = 0
+    for _ in range(rounds):
+        for _ in range(H):
+            loss_of(model, rank, step).backward()
+            opt.step()
+            opt.zero_grad()
+            step += 1
+        out.append(_record(opt, model, rank))
+    return out
+
+
+def _worker(rank: int, world: int, kwargs: dict[str, Any]) -> list[dict[str, Any]]:
+    from fgdiloco import FGDiLoCo
+    from tests.reference import INNER_LR, make_model
+
+    model = make_model(seed=rank)  # different initial weights: broadcast_init makes them rank 0's
+    opt = FGDiLoCo(model, torch.optim.AdamW(model.parameters(), lr=INNER_LR), sync_every=H, timeout=30.0,
+                   **kwargs)
+    try:
+        return _train_rounds(opt, model, rank)
+    finally:
+        opt.close()
+
+
+def exact(tmp: str) -> list[Any]:
+    """Exact DiLoCo (``topology="allreduce"``, lossless) on 4 ranks."""
+    from tests.distributed import run_ranks
+
+    return run_ranks(_worker, 4, tmp, {"topology": "allreduce"})
+
+
+def gossip_lowrank(tmp: str) -> list[Any]:
+    """Random-matching gossip with the low-rank codec on 4 ranks (bf16 Mix1, momentum mixed)."""
+    from tests.distributed import run_ranks
+
+    return run_ranks(_worker, 4, tmp, {"topology": "random", "codec": "lowrank", "seed": 3})
+
+
+def _pipeline_worker(rank: int, world: int) -> list[dict[str, Any]]:
+    from fgdiloco import FGDiLoCo, ReplicaMesh
+    from fgdiloco.pipeline import Pipeline
+    from tests.reference import INNER_LR, batch, make_model
+
+    mesh = ReplicaMesh(2, 2)
+    full = make_model(seed=0)
+    stage = [torch.nn.Sequential(full[0], full[1]), torch.nn.Sequential(full[2])][mesh.stage]
+    opt = FGDiLoCo(stage, torch.optim.AdamW(stage.parameters(), lr=INNER_LR), sync_every=H, timeout=30.0,
+                   mesh=mesh, seed=1)
+    pipe = Pipeline(stage, mesh, F.mse_loss, 2, "1f1b")
+    out = []
+    step = 0
+    try:
+        for _ in range(ROUNDS):
+            for _ in range(H):
+                x, y = batch(mesh.replica, step)
+                pipe.step(x, y)
+                opt.step()
+                opt.zero_grad()
+                step += 1
+            held = pipe.eval_loss(*batch(mesh.replica, 10_000))
+            out.append({"round": opt.round, "loss": None if held is None else float(held),
+                        "params": checksum(stage.parameters())})
+    finally:
+        opt.close()
+    return out
+
+
+def pipeline(tmp: str) -> list[Any]:
+    """A 2 replicas x 2 stages pipeline (1F1B, 2 microbatches) with gossip per stage."""
+    from tests.distributed import run_ranks
+
+    return run_ranks(_pipeline_worker, 4, tmp)
+
+
+def lightning(tmp: str) -> list[Any]:
+    """The Lightning strategy on 2 replicas (tests/lightning_scripts/train.py): parameters after every round."""
+    from tests.test_lightning import _launch
+
+    results = _launch(Path(tmp) / "pl", "--sync-every", "3", "--samples", "96", "--batch-size", "8",
+                      "--max-epochs", "2", devices=2)
+    return [[{"round": i + 1, "loss": None, "params": checksum([p])} for i, p in enumerate(r["round_params"])]
+            for r in results]
+
+
+def _elastic_worker(rank: int, world: int, address: str) -> list[dict[str, Any]]:
+    os.environ.update({"FGDILOCO_STORE": address, "FGDILOCO_WORKER": str(rank), "FGDILOCO_WORKERS": str(world),
+                       "FGDILOCO_JOB": "pinned"})
+    from fgdiloco import FGDiLoCo
+    from tests.reference import INNER_LR, make_model
+
+    model = make_model(seed=0)
+    opt = FGDiLoCo(model, torch.optim.AdamW(model.parameters(), lr=INNER_LR), sync_every=H, timeout=30.0,
+                   elastic=True, seed=2)
+    try:
+        return _train_rounds(opt, model, rank)
+    finally:
+        opt.close()
+
+
+def elastic(tmp: str) -> list[Any]:
+    """An elastic job of 4 workers on a gossip store, no faults (every exchange happens, so it is deterministic)."""
+    from tests.distributed import run_workers_on_store
+
+    return run_workers_on_store(_elastic_worker, 4, tmp)
+
+
+def _pretrain_rows(out: Path) -> list[dict[str, Any]]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [{"round": r["round"], "loss": r["eval_loss"], "params": [r["eval_loss_mean"], r["train_loss"] or 0.0]}
+            for r in rows]
+
+
+def _pretrain_config(tmp: str, **kw: Any) -> Any:
+    from fgdiloco.pretrain.worker import TrainConfig
+
+    fixture = Path(__file__).parent / "fixtures" / "moby_dick_ch1-29.txt"
+    base = dict(workers=4, steps=24, sync_every=4, n_layer=2, n_head=2, n_embd=32, batch_size=4, block_size=32,
+                vocab_size=384, lr=1e-2, warmup_steps=4, eval_batches=2, data=str(fixture),
+                cache_dir=str(Path(tmp) / "cache"), out=str(Path(tmp) / "out"), quiet=True, timeout=30.0)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _pretrain_worker(rank: int, world: int, cfg: Any) -> None:
+    from fgdiloco.pretrain.worker import train_worker
+
+    train_worker(cfg)
+
+
+def pretrain_group(tmp: str) -> list[Any]:
+    """The example job's group worker on 4 Gloo ranks (ring gossip, low-rank codec) and on a 2 x 2 pipeline:
+    rank 0's rows (held-out loss, the replicas' mean, train loss) after every round."""
+    from tests.distributed import run_ranks
+
+    out = []
+    for kw in ({"topology": "ring", "codec": "lowrank"}, {"stages": 2, "microbatches": 2}):
+        cfg = _pretrain_config(tmp, **kw, out=str(Path(tmp) / f"out{len(out)}"))
+        run_ranks(_pretrain_worker, 4, tmp, cfg, timeout=300)
+        out.append(_pretrain_rows(Path(cfg.out)))
+    return out
+
+
+def pretrain_elastic(tmp: str) -> list[Any]:
+    """``fgdiloco pretrain`` (elastic workers, each its own torchrun job) on a tiny model: the merged rows."""
+    import subprocess
+
+    cfg = _pretrain_config(tmp)
+    args = ["--workers", "4", "--steps", "24", "--sync-every", "4", "--n-layer", "2", "--n-head", "2", "--n-embd",
+            "32", "--batch-size", "4", "--block-size", "32", "--vocab-size", "384", "--lr", "0.01",
+            "--warmup-steps", "4", "--eval-batches", "2", "--data", cfg.data, "--cache-dir", cfg.cache_dir,
+            "--out", cfg.out, "--timeout", "30", "--quiet"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    subprocess.run([sys.executable, "-m", "fgdiloco", "pretrain", *args], check=True, env=env, timeout=600,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return [_pretrain_rows(Path(cfg.out))]
+
+
+RUNS = {"exact": exact, "gossip_lowrank": gossip_lowrank, "pipeline": pipeline, "lightning": lightning,
+        "elastic": elastic,
+        "pretrain_group": pretrain_group, "pretrain_elastic": pretrain_elastic}
+
+
+def main(names: list[str]) -> None:
+    FIXTURES.mkdir(parents=True, exist_ok=True)
+    for name in names or list(RUNS):
+        with tempfile.TemporaryDirectory() as tmp:
+            result = RUNS[name](tmp)
+        (FIXTURES / f"{name}.json").write_text(json.dumps({"run": name, "doc": RUNS[name].__doc__,
+                                                           "workers": result}, indent=1) + "\n")
+        print(f"wrote {FIXTURES / (name + '.json')}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
