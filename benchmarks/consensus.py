@@ -152,8 +152,8 @@ def train_variant(name: str, knobs: dict, rounds: int, data: tuple, eval_every: 
                     opt.step()
                     opt.zero_grad()
                 s = opt.last_round
-                params_spread.add(t, opt._theta0, keep_mean=(t + 1) % eval_every == 0 or t == rounds - 1)
-                momentum_spread.add(t, opt._momentum)
+                params_spread.add(t, opt.outer.theta0, keep_mean=(t + 1) % eval_every == 0 or t == rounds - 1)
+                momentum_spread.add(t, opt.outer.momentum)
                 with lock:
                     bytes_sent.setdefault(t, []).append(s.bytes_sent)
                 if (t + 1) % eval_every == 0 or t == rounds - 1:

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from tests.distributed import run_ranks
+    from fgdiloco.testing import run_ranks
 
     with tempfile.TemporaryDirectory() as tmp:
         res = run_ranks(_rank_main, 2, tmp, args.elements, args.repeats, timeout=600)

@@ -113,7 +113,7 @@ def _round_worker(rank: int, world: int, rounds: int, sync_every: int) -> list[d
 def outer_round_cost(world: int, rounds: int, sync_every: int) -> dict:
     import tempfile
 
-    from tests.distributed import run_ranks
+    from fgdiloco.testing import run_ranks
 
     with tempfile.TemporaryDirectory() as tmp:
         results = run_ranks(_round_worker, world, tmp, rounds, sync_every, store="tcp", timeout=600)

@@ -106,7 +106,7 @@ def _worker(rank: int, world: int, stages: int, cfg: dict) -> dict:
 
 
 def run_layout(stages: int, cfg: dict) -> dict:
-    from tests.distributed import run_ranks
+    from fgdiloco.testing import run_ranks
 
     with tempfile.TemporaryDirectory() as tmp:
         rows = run_ranks(_worker, 4, tmp, stages, cfg, store="tcp", timeout=3600)

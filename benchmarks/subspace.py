@@ -209,7 +209,7 @@ def _pipeline_worker(rank: int, world: int, k: int | None, head: str, cfg: dict)
 
 
 def run_pipeline_variant(k: int | None, head: str, cfg: dict) -> dict:
-    from tests.distributed import run_ranks
+    from fgdiloco.testing import run_ranks
 
     with tempfile.TemporaryDirectory() as tmp:
         rows = run_ranks(_pipeline_worker, 4, tmp, k, head, cfg, store="tcp", timeout=3600)

@@ -5,8 +5,9 @@ mix of parameters (Mix1) that overlaps the next inner steps, and a blocking goss
 pseudo-gradients (Mix2), followed by a local Nesterov outer step (Hewa Koneputugodage et al., ICML 2026).
 """
 
+from .config import FGDiLoCoConfig
 from .factor import BF16, Codec, Dense, FrameError, Int8, LowRank, decode_frame, encode_frame, layout_fingerprint
-from .gossip import DistributedTransport, ExchangeError, LocalHub, Topology, Transport, make_topology
+from .gossip import DistributedTransport, ExchangeError, LocalHub, Membership, Topology, Transport, make_topology
 from .mesh import ReplicaMesh
 from .outer import FGDiLoCo, RoundStats
 
@@ -19,10 +20,12 @@ __all__ = [
     "DistributedTransport",
     "ExchangeError",
     "FGDiLoCo",
+    "FGDiLoCoConfig",
     "FrameError",
     "Int8",
     "LocalHub",
     "LowRank",
+    "Membership",
     "ReplicaMesh",
     "RoundStats",
     "Topology",
@@ -32,13 +35,3 @@ __all__ = [
     "layout_fingerprint",
     "make_topology",
 ]
-
-# Register Trainer(strategy="fgdiloco") with Lightning. Cheap: Lightning is not imported here; the names are registered
-# now if it already is, else right after it is (lightning_callbacks/_register.py). Must stay last: registering imports
-# lightning_callbacks.strategy, which imports fgdiloco.outer.
-try:
-    from lightning_callbacks._register import ensure_registered as _ensure_lightning_registered
-except ImportError:  # lightning_callbacks not installed with this copy of fgdiloco
-    pass
-else:
-    _ensure_lightning_registered()

@@ -25,6 +25,8 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .config import FGDiLoCoConfig, Seconds
+
 __all__ = ["ReplicaMesh"]
 
 
@@ -46,9 +48,10 @@ class ReplicaMesh:
         process_group: the group the mesh covers; ``None`` (default) or a group holding every rank of the default
             group. A mesh over part of the job is not supported: the device mesh builds its groups with
             ``new_group``, which every rank of the default group must call.
-        timeout: seconds (> 0) any operation on the mesh's groups may take before it fails: the deadline of every
-            stage-to-stage transfer of a pipeline (a hung stage makes its neighbours fail after this long; a dead one
-            at once) and of the gossip group's collectives.
+        stage_timeout: seconds (> 0) any operation on the mesh's groups may take before it fails: the deadline of
+            every stage-to-stage transfer of a pipeline (a hung stage makes its neighbours fail after this long; a
+            dead one at once) and of the gossip group's collectives (default
+            :attr:`FGDiLoCoConfig.stage_timeout <fgdiloco.FGDiLoCoConfig>`). ``timeout`` is its older name.
 
     Attributes:
         replica, stage: this rank's coordinates.
@@ -61,23 +64,24 @@ class ReplicaMesh:
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised.
-        TypeError: ``replicas``/``stages`` not ints, ``timeout`` not a number, ``process_group`` not a group.
-        ValueError: ``replicas``/``stages`` < 1, ``replicas * stages`` not the world size, ``timeout`` <= 0, or a
+        TypeError: ``replicas``/``stages`` not ints, ``stage_timeout`` not a number, ``process_group`` not a group.
+        ValueError: ``replicas``/``stages`` < 1, ``replicas * stages`` not the world size, ``stage_timeout`` <= 0, or a
             ``process_group`` that does not span the default group. Arguments are checked before any group is
             built.
     """
 
     def __init__(self, replicas: int, stages: int, process_group: dist.ProcessGroup | None = None, *,
-                 timeout: float = 60.0):
+                 stage_timeout: float | None = None, timeout: float | None = None):
         for name, value in (("replicas", replicas), ("stages", stages)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int >= 1, got {type(value).__name__}")
             if value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value}")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-            raise TypeError(f"timeout must be a number of seconds > 0, got {type(timeout).__name__}")
-        if not timeout > 0 or timeout == float("inf"):
-            raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
+        if stage_timeout is not None and timeout is not None:
+            raise ValueError("give stage_timeout or its older name timeout, not both")
+        name = "timeout" if timeout is not None else "stage_timeout"
+        given = timeout if timeout is not None else stage_timeout
+        seconds = FGDiLoCoConfig.stage_timeout if given is None else Seconds()(name, given)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: call init_process_group (or use torchrun) "
                                "before building a ReplicaMesh")
@@ -94,7 +98,7 @@ class ReplicaMesh:
                              f"stages={stages} = {replicas * stages}")
         self.replicas = replicas
         self.stages = stages
-        self.timeout = float(timeout)
+        self.timeout = float(seconds)
         backend = dist.get_backend()
         self.device_type = "cuda" if "nccl" in backend else "cpu"
         pipe_backend = "nccl" if self.device_type == "cuda" else "gloo"

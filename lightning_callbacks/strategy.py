@@ -80,7 +80,7 @@ import torch
 import torch.distributed as dist
 from packaging.version import Version
 
-from fgdiloco.gossip import Topology
+from fgdiloco.config import FGDiLoCoConfig
 from fgdiloco.mesh import ReplicaMesh
 from fgdiloco.outer import FGDiLoCo
 from fgdiloco.pipeline import SCHEDULES, Pipeline
@@ -146,19 +146,8 @@ class _FGDiLoCoStrategyMixin:
 
     def __init__(
         self,
+        config: FGDiLoCoConfig | None = None,
         *,
-        sync_every: int = 50,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        nesterov: bool = True,
-        topology: str | Topology = "random",
-        mix1_rounds: int = 1,
-        mix2_rounds: int = 1,
-        codec: Any = None,
-        mix1_codec: Any = None,
-        mix_momentum: bool = True,
-        timeout: float = 60.0,
-        seed: int = 0,
         broadcast_init: bool = True,
         pipeline_stages: int = 1,
         n_microbatches: int | None = None,
@@ -171,9 +160,10 @@ class _FGDiLoCoStrategyMixin:
         process_group_backend: str | None = None,
         process_group_timeout: datetime.timedelta | None = dist.default_pg_timeout,
         start_method: str = "popen",
+        **settings: Any,
     ) -> None:
-        if isinstance(timeout, datetime.timedelta):
-            raise TypeError("timeout is FGDiLoCo's per-exchange gossip timeout in seconds (a number); pass the "
+        if isinstance(settings.get("timeout"), datetime.timedelta):
+            raise TypeError("timeout is FGDiLoCo's gossip deadline shorthand in seconds (a number); pass the "
                             "process-group timeout of DDP as process_group_timeout=datetime.timedelta(...)")
         if start_method not in _START_METHODS:
             raise ValueError(f"start_method must be one of {_START_METHODS}, got {start_method!r}")
@@ -181,10 +171,8 @@ class _FGDiLoCoStrategyMixin:
             raise TypeError(f"broadcast_init must be a bool, got {type(broadcast_init).__name__}")
         stages, microbatches, schedule = _check_pipeline_arguments(pipeline_stages, n_microbatches,
                                                                    pipeline_schedule)
-        knobs = dict(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
-                     topology=topology, mix1_rounds=mix1_rounds, mix2_rounds=mix2_rounds, codec=codec,
-                     mix1_codec=mix1_codec, mix_momentum=mix_momentum, timeout=timeout, seed=seed)
-        FGDiLoCo.check_arguments(**knobs)  # fail when the strategy is built, with FGDiLoCo's own messages
+        # fail when the strategy is built, with the settings' own messages
+        self._config = FGDiLoCoConfig.build(config, **settings)
         super().__init__(  # type: ignore[call-arg]
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -195,7 +183,6 @@ class _FGDiLoCoStrategyMixin:
             timeout=process_group_timeout,
             start_method=start_method,
         )
-        self._fgdiloco_kwargs = knobs
         self._broadcast_init = broadcast_init
         self._fgdiloco: FGDiLoCo | None = None
         self._saved_as: dict[str, str] = {}  # save_checkpoint: a rank's own checkpoint path -> rank 0's
@@ -219,9 +206,14 @@ class _FGDiLoCoStrategyMixin:
         return self._fgdiloco
 
     @property
+    def config(self) -> FGDiLoCoConfig:
+        """The settings this strategy gives every replica's :class:`~fgdiloco.FGDiLoCo`."""
+        return self._config
+
+    @property
     def fgdiloco_kwargs(self) -> dict[str, Any]:
-        """The FGDiLoCo arguments this strategy passes on (a copy)."""
-        return dict(self._fgdiloco_kwargs)
+        """The settings as a dict (``config.as_dict()``)."""
+        return self._config.as_dict()
 
     @property
     def pipeline_stages(self) -> int:
@@ -445,7 +437,7 @@ class _FGDiLoCoStrategyMixin:
     def _build_pipeline(self) -> None:
         if self._mesh is None:  # collective over the job, once; its groups outlive fit / validate calls
             self._mesh = ReplicaMesh(self.world_size // self._stages, self._stages,  # type: ignore[attr-defined]
-                                     timeout=self._fgdiloco_kwargs["timeout"])
+                                     stage_timeout=self._config.stage_timeout)
         stage_module = self._stage_module()
         if self._pipeline is None or self._pipeline.module is not stage_module:
             self._pipeline = Pipeline(stage_module, self._mesh, self._pipeline_loss, self._n_microbatches,
@@ -459,10 +451,10 @@ class _FGDiLoCoStrategyMixin:
         inner = getattr(optimizers[0], "_optimizer", optimizers[0])  # unwrap a LightningOptimizer
         resuming = self._resume_state is not None
         if self._stages > 1:  # this stage, gossiping with the same stage of the other replicas
-            fgd = FGDiLoCo(self._stage_module(), inner, **self._fgdiloco_kwargs, mesh=self._mesh,
+            fgd = FGDiLoCo(self._stage_module(), inner, self._config, mesh=self._mesh,
                            broadcast_init=self._broadcast_init and not resuming)
         else:
-            fgd = FGDiLoCo(self.lightning_module, inner, **self._fgdiloco_kwargs,  # type: ignore[attr-defined]
+            fgd = FGDiLoCo(self.lightning_module, inner, self._config,  # type: ignore[attr-defined]
                            broadcast_init=self._broadcast_init and not resuming)
         log.info("fgdiloco: rank %d built %r%s", fgd.rank, fgd, " (resuming replicas)" if resuming else "")
         return fgd
@@ -659,14 +651,14 @@ if _pl is not None:
             trainer = Trainer(strategy=FGDiLoCoStrategy(pipeline_stages=2, n_microbatches=4), devices=8)  # 4 x 2
 
         Args:
-            sync_every, outer_lr, outer_momentum, nesterov, topology, mix1_rounds, mix2_rounds, codec, mix1_codec,
-                mix_momentum, timeout, seed, broadcast_init: as in :class:`fgdiloco.FGDiLoCo` (same defaults, except
-                ``sync_every=50``); ``timeout`` is the gossip exchange timeout in seconds. All ranks of the job
-                gossip (the default process group).
+            config, **settings: the FGDiLoCo settings (:class:`fgdiloco.FGDiLoCoConfig`, its fields by name
+                override it: ``sync_every=100``, ``codec="lowrank"``, ``timeout=30``), the same object and defaults
+                as :class:`fgdiloco.FGDiLoCo`. All ranks of the job gossip (the default process group).
+            broadcast_init: as in :class:`fgdiloco.FGDiLoCo`.
             pipeline_stages: S, pipeline stages per replica (int >= 1 dividing the number of processes; default 1:
                 one process per replica, no pipeline). With S > 1 the LightningModule implements the pipeline
                 contract (module docstring of :mod:`lightning_callbacks.strategy`) and the gossip runs among the
-                same stage of the ``world // S`` replicas; the mesh timeout is ``timeout``.
+                same stage of the ``world // S`` replicas; stage-to-stage sends are bounded by ``stage_timeout``.
             n_microbatches: microbatches per batch (int >= 1; >= S for "1f1b"; default: S).
             pipeline_schedule: ``"1f1b"`` (default) or ``"gpipe"``, as in :class:`fgdiloco.pipeline.Pipeline`.
             accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,

@@ -70,14 +70,14 @@ def _worker(rank: int, world: int, kwargs: dict[str, Any]) -> list[dict[str, Any
 
 def exact(tmp: str) -> list[Any]:
     """Exact DiLoCo (``topology="allreduce"``, lossless) on 4 ranks."""
-    from tests.distributed import run_ranks
+    from fgdiloco.testing import run_ranks
 
     return run_ranks(_worker, 4, tmp, {"topology": "allreduce"})
 
 
 def gossip_lowrank(tmp: str) -> list[Any]:
     """Random-matching gossip with the low-rank codec on 4 ranks (bf16 Mix1, momentum mixed)."""
-    from tests.distributed import run_ranks
+    from fgdiloco.testing import run_ranks
 
     return run_ranks(_worker, 4, tmp, {"topology": "random", "codec": "lowrank", "seed": 3})
 
@@ -113,7 +113,7 @@ def _pipeline_worker(rank: int, world: int) -> list[dict[str, Any]]:
 
 def pipeline(tmp: str) -> list[Any]:
     """A 2 replicas x 2 stages pipeline (1F1B, 2 microbatches) with gossip per stage."""
-    from tests.distributed import run_ranks
+    from fgdiloco.testing import run_ranks
 
     return run_ranks(_pipeline_worker, 4, tmp)
 
@@ -145,7 +145,7 @@ def _elastic_worker(rank: int, world: int, address: str) -> list[dict[str, Any]]
 
 def elastic(tmp: str) -> list[Any]:
     """An elastic job of 4 workers on a gossip store, no faults (every exchange happens, so it is deterministic)."""
-    from tests.distributed import run_workers_on_store
+    from fgdiloco.testing import run_workers_on_store
 
     return run_workers_on_store(_elastic_worker, 4, tmp)
 
@@ -176,7 +176,7 @@ def _pretrain_worker(rank: int, world: int, cfg: Any) -> None:
 def pretrain_group(tmp: str) -> list[Any]:
     """The example job's group worker on 4 Gloo ranks (ring gossip, low-rank codec) and on a 2 x 2 pipeline:
     rank 0's rows (held-out loss, the replicas' mean, train loss) after every round."""
-    from tests.distributed import run_ranks
+    from fgdiloco.testing import run_ranks
 
     out = []
     for kw in ({"topology": "ring", "codec": "lowrank"}, {"stages": 2, "microbatches": 2}):

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import fgdiloco
 from fgdiloco import BF16, Dense, FGDiLoCo, Int8, LowRank
 from fgdiloco.factor import CodecError, codec_from_id, resolve_codec
-from tests.distributed import run_ranks
+from fgdiloco.testing import run_ranks
 
 FAST = settings(max_examples=25, deadline=None)
 shapes_st = st.lists(st.integers(0, 40), min_size=0, max_size=3).map(tuple)

@@ -1,5 +1,5 @@
 """Elastic workers (DESIGN §6): checked checkpoints, resume order, unsynchronised parameters, who may take part,
-adaptive deadlines, departures and deaths. Multi-process tests run on real Gloo ranks (tests/distributed.py)."""
+adaptive deadlines, departures and deaths. Multi-process tests run on real Gloo ranks (fgdiloco/testing.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from fgdiloco import FGDiLoCo
 from fgdiloco.factor import Dense
 from fgdiloco.gossip import Mixer, make_topology
 from fgdiloco.gossip.mix import DEADLINE_MIN_SAMPLES
-from tests.distributed import run_ranks
+from fgdiloco.testing import run_ranks
 from tests.reference import INNER_LR, loss_of, make_model
 
 H = 3
@@ -134,7 +134,7 @@ def test_older_formats_load_with_a_warning():
         # saved at a round boundary: the model's parameters come from the anchor, so they equal the saved run's
         for p, q in zip(fresh.model.parameters(), opt.model.parameters()):
             assert torch.equal(p, q)
-        for m, n in zip(fresh._momentum, opt._momentum):
+        for m, n in zip(fresh.outer.momentum, opt.outer.momentum):
             assert torch.equal(m, n)
         fresh.close()
     opt.close()
@@ -186,7 +186,7 @@ def _discard(rank: int, world: int) -> dict:
         out["declined"] = time.perf_counter() - t0
     # (b) both prepared and met; rank 0 gives it up: rank 1's exchange on the dropped group fails at once
     t.prepare(1 - rank, key="b", timeout=20.0)
-    t._prepared[(1 - rank, "b")][0].result()
+    t._pending[(1 - rank, "b")].job.result()
     if rank == 0:
         t.discard(1, key="b")
         store.set("b-discarded", b"1")

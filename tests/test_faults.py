@@ -8,7 +8,7 @@ import signal
 import torch
 
 from fgdiloco import FGDiLoCo
-from tests.distributed import run_ranks
+from fgdiloco.testing import run_ranks
 from tests.reference import INNER_LR, loss_of, make_model
 
 H = 5

@@ -16,7 +16,7 @@ import fgdiloco.gossip.mix
 from fgdiloco import BF16, Dense, FGDiLoCo, Int8, LowRank
 from fgdiloco.factor import HEADER_SIZE, FrameError, decode_frame, encode_frame, layout_fingerprint
 from fgdiloco.factor.frame import _CRC, _HEADER, FLAG_SHUFFLE, FLAG_ZSTD, TAG_SIZE
-from tests.distributed import run_ranks
+from fgdiloco.testing import run_ranks
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

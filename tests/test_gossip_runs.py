@@ -13,7 +13,7 @@ from fgdiloco import FGDiLoCo, LocalHub, LowRank
 from fgdiloco.factor import Dense, FrameError
 from fgdiloco.gossip import DistributedTransport, make_topology
 from fgdiloco.gossip.mix import Mixer, _digest
-from tests.distributed import run_ranks
+from fgdiloco.testing import run_ranks
 from tests.reference import INNER_LR, gossip_reference, loss_of, make_model
 
 H = 3
@@ -136,14 +136,14 @@ def _exact_run(rank: int, world: int, broadcast_init: bool) -> dict:
     opt = FGDiLoCo(model, torch.optim.AdamW(model.parameters(), lr=INNER_LR), sync_every=H, topology="allreduce",
                    codec=LowRank(rank=2), broadcast_init=broadcast_init, timeout=20.0)
     if rank == 3:  # a fault splits one replica: its outer step of round SPLIT_AT comes out slightly off
-        real_step = opt._outer_step
+        real_commit = opt.outer.commit
 
-        def faulty_step(theta, delta, momentum):
-            real_step(theta, delta, momentum)
+        def faulty_commit(theta, momentum):
             if opt.round == SPLIT_AT:
-                opt._theta0[0].add_(1e-3)
+                theta = [theta[0] + 1e-3, *theta[1:]]
+            real_commit(theta, momentum)
 
-        opt._outer_step = faulty_step
+        opt.outer.commit = faulty_commit
     digests, resynced, failed = [], [], []
     for step in range(ROUNDS * H):
         if rank == 2:
@@ -152,7 +152,7 @@ def _exact_run(rank: int, world: int, broadcast_init: bool) -> dict:
         opt.step()
         opt.zero_grad()
         if (step + 1) % H == 0:
-            digests.append(_digest(list(model.parameters()) + opt._momentum).hex())
+            digests.append(_digest(list(model.parameters()) + opt.outer.momentum).hex())
             resynced.append(opt.last_round.resynced)
             failed.append(opt.last_round.failed_exchanges)
     return {"digests": digests, "resynced": resynced, "failed": failed}

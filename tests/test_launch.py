@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from fgdiloco import FGDiLoCo
-from tests.distributed import run_ranks
+from fgdiloco.testing import run_ranks
 from tests.reference import INNER_LR, loss_of, make_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,7 +80,7 @@ def _prepared_exchange(rank: int, world: int) -> dict:
     out: dict = {}
     if peer is not None:
         t.prepare(peer, key="mix2/0")
-        t._prepared[(peer, "mix2/0")][0].result()  # set up in the background, before the exchange
+        t._pending[(peer, "mix2/0")].job.result()  # set up in the background, before the exchange
         builds = []
         real = t._build
         t._build = lambda *a: builds.append(a) or real(*a)

@@ -23,11 +23,11 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from fgdiloco import FGDiLoCo, RoundStats
+from fgdiloco import FGDiLoCo, FGDiLoCoConfig, RoundStats
+from fgdiloco.testing import run_ranks
 from lightning_callbacks import FGDiLoCoStrategy, GossipMonitor
 from lightning_callbacks.monitor import ConsensusGrowthTracker, ConsensusGrowthWarning
 from lightning_callbacks.strategy import replica_checkpoint_path
-from tests.distributed import run_ranks
 from tests.lightning_scripts.train import flat_params, make_dataset, make_inner_optimizer, make_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -75,18 +75,19 @@ def test_registered_names_need_no_other_argument():
     assert trainer.strategy.fgdiloco is None  # built in setup() of fit
 
 
-def test_strategy_defaults_are_fgdiloco_defaults():
-    wrapper = inspect.signature(FGDiLoCo).parameters
-    strategy = FGDiLoCoStrategy().fgdiloco_kwargs
-    assert strategy.pop("sync_every") == 50
-    for name, value in strategy.items():
-        assert wrapper[name].default == value, name
+def test_strategy_defaults_are_fgdiloco_defaults_and_it_takes_the_same_settings_object():
+    assert FGDiLoCoStrategy().config == FGDiLoCoConfig()
+    config = FGDiLoCoConfig(sync_every=7, codec="lowrank", timeout=9.0)
+    assert FGDiLoCoStrategy(config).config == config
+    assert FGDiLoCoStrategy(config, mix2_rounds=2).config == config.replace(mix2_rounds=2)
+    assert FGDiLoCoStrategy(sync_every=7, codec="lowrank", timeout=9.0).config == config
+    assert "broadcast_init" in inspect.signature(FGDiLoCoStrategy).parameters
 
 
-def test_import_fgdiloco_registers_lazily_and_survives_without_lightning():
+def test_import_lightning_callbacks_registers_lazily_and_fgdiloco_survives_without_lightning():
     code = (
         "import sys\n"
-        "import fgdiloco\n"
+        "import fgdiloco, lightning_callbacks\n"
         "assert 'pytorch_lightning' not in sys.modules, 'import fgdiloco must not import Lightning'\n"
         "import pytorch_lightning as pl\n"
         "from pytorch_lightning.strategies import StrategyRegistry\n"

@@ -12,9 +12,9 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
+from fgdiloco.testing import run_ranks
 from lightning_callbacks import FGDiLoCoStrategy
 from lightning_callbacks.strategy import CHECKPOINT_KEY, replica_checkpoint_path
-from tests.distributed import run_ranks
 from tests.lightning_scripts.train import HIDDEN, IN
 from tests.test_lightning import _launch, _plain_wrapper
 

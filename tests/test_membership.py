@@ -1,4 +1,4 @@
-"""Membership of elastic jobs on a real TCPStore (fgdiloco.elastic, DistributedTransport.over_store): slots,
+"""Membership of elastic jobs on a real TCPStore (fgdiloco.elastic.ElasticMembership under a DistributedTransport):
 incarnations, absent and restarted peers, the live round, state for joiners, and the settings' errors.
 Workers are threads here (the transport needs no process group); tests/test_elastic_launch.py runs real processes
 under ``fgdiloco launch``."""
@@ -13,11 +13,12 @@ import torch
 import torch.distributed as dist
 
 from fgdiloco import FGDiLoCo
-from fgdiloco.elastic import GossipStore, connect, settings
+from fgdiloco.elastic import ElasticMembership, GossipStore, connect, settings
 from fgdiloco.factor import Dense
 from fgdiloco.gossip.mix import Mixer, PeerHealth
 from fgdiloco.gossip.topology import make_topology
-from fgdiloco.gossip.transport import Background, DistributedTransport, PeerDeclined, drain_background
+from fgdiloco.gossip.transport import DistributedTransport, PeerDeclined
+from fgdiloco.runtime import Background, drain_background
 
 
 @pytest.fixture
@@ -32,7 +33,7 @@ def _client(store: GossipStore) -> dist.TCPStore:
 
 
 def _transport(store: GossipStore, rank: int, world: int, timeout: float = 10.0) -> DistributedTransport:
-    return DistributedTransport.over_store(_client(store), rank, world, namespace="t", timeout=timeout)
+    return DistributedTransport(membership=ElasticMembership(_client(store), rank, world, "t"), timeout=timeout)
 
 
 def test_settings_come_from_the_environment_and_bad_ones_are_named():
@@ -56,13 +57,13 @@ def test_settings_come_from_the_environment_and_bad_ones_are_named():
         settings(worker=1.5, environ=env)
 
 
-def test_over_store_checks_its_arguments(store):
+def test_an_elastic_membership_checks_its_arguments(store):
     c = _client(store)
     for kw, match in (({"rank": 2, "world_size": 2}, "rank must be"), ({"rank": 0, "world_size": 0}, "world_size"),
                       ({"rank": 0, "world_size": 2, "namespace": ""}, "namespace")):
         args = {"namespace": "t", **kw}
         with pytest.raises(ValueError, match=match):
-            DistributedTransport.over_store(c, args["rank"], args["world_size"], namespace=args["namespace"])
+            ElasticMembership(c, args["rank"], args["world_size"], args["namespace"])
 
 
 def test_connect_waits_for_the_first_workers_and_names_the_missing(store):
@@ -74,7 +75,7 @@ def test_connect_waits_for_the_first_workers_and_names_the_missing(store):
     a = connect(store.address, 0, 2, wait=10)
     t.join()
     assert (a.rank, got[1].rank, a.world_size) == (0, 1, 2)
-    assert a.incarnation == 2  # the first attempt above registered slot 0 once already
+    assert a.membership.incarnation == 2  # the first attempt above registered slot 0 once already
     with pytest.raises(ValueError, match="has 2 slots"):
         connect(store.address, 0, 3, wait=1)
     with pytest.raises(TimeoutError, match="cannot reach the gossip store"):
@@ -94,7 +95,7 @@ def test_an_absent_slot_is_skipped_at_once(store):
 
 def test_a_restarted_peer_gets_new_keys_and_its_old_exchange_ends_at_once(store):
     a, b = _transport(store, 0, 2), _transport(store, 1, 2)
-    assert a.returned(1) is False  # first sight
+    assert a.membership.returned(1) is False  # first sight
     errors = []
 
     def wait_for_old_b():
@@ -111,7 +112,7 @@ def test_a_restarted_peer_gets_new_keys_and_its_old_exchange_ends_at_once(store)
     t_restart = time.monotonic()
     t.join(10)
     assert errors and "restarted" in errors[0][0] and errors[0][1] - t_restart < 2.0
-    assert b2.incarnation == 2 and a.returned(1) is True and a.returned(1) is False
+    assert b2.membership.incarnation == 2 and a.membership.returned(1) is True and a.membership.returned(1) is False
     # the new incarnation and a meet on keys that name it
     out = {}
     tb = threading.Thread(target=lambda: out.setdefault("b", b2.exchange(0, b"from b2", key="k2", timeout=10)))
@@ -138,39 +139,91 @@ def test_a_returned_peer_is_out_of_back_off(store):
 
 
 def test_rounds_are_published_and_the_live_round_is_the_newest(store):
-    ts = [_transport(store, r, 3) for r in range(3)]
-    assert ts[0].live_round() == 0
-    ts[1].publish_round(4)
-    ts[2].publish_round(7)
-    ts[2].publish_round(9)
-    assert (ts[0].live_round(), ts[0].peer_round(1), ts[0].peer_round(2), ts[1].live_round()) == (9, 4, 9, 9)
-    ts[2].close()
-    again = _transport(store, 2, 3)  # a restart continues from the slot's published round
+    ms = [_transport(store, r, 3).membership for r in range(3)]
+    assert ms[0].live_round() == 0
+    ms[1].publish_round(4)
+    ms[2].publish_round(7)
+    ms[2].publish_round(9)
+    assert (ms[0].live_round(), ms[0].peer_round(1), ms[0].peer_round(2), ms[1].live_round()) == (9, 4, 9, 9)
+    ms[2].close()
+    again = _transport(store, 2, 3).membership  # a restart continues from the slot's published round
     again.publish_round(10)
-    assert ts[0].peer_round(2) == 10
+    assert ms[0].peer_round(2) == 10
     again.leave()  # a departed worker is no longer waited for, but the round it reached still counts for joining
-    assert ts[0].peer_rounds() == {1: 4} and ts[0].live_round() == 10
-    for t in (ts[0], ts[1], again):
-        t.close()
+    assert ms[0].peer_rounds() == {1: 4} and ms[0].live_round() == 10
+    for m in (ms[0], ms[1], again):
+        m.close()
 
 
 def test_a_joiner_gets_one_answer_to_its_state_request(store):
-    a, b, c = (_transport(store, r, 3) for r in range(3))
-    assert a.state_requests() == []
+    a, b, c = (_transport(store, r, 3).membership for r in range(3))
+    a.serve(lambda: (3, b"state of a"))
+    b.serve(lambda: (3, b"state of b"))
+    with a.stores.lease() as s:
+        assert a.answer_requests(s) == 0  # nothing asked
     c.request_state()
-    assert a.state_requests() == [(2, 1)] and b.state_requests() == [(2, 1)]
-    assert a.state_requests() == []  # nothing new since
-    assert a.offer_state(2, 1, b"state of a") is True
-    assert b.offer_state(2, 1, b"state of b") is False  # answered already
+    with a.stores.lease() as s:
+        assert a.answer_requests(s) == 1
+    with b.stores.lease() as s:
+        assert b.answer_requests(s) == 0  # answered already
     assert c.await_state(5.0) == b"state of a"
-    for t in (a, b, c):  # everyone else leaves (with a notice)
-        t.leave()
-    d = _transport(store, 1, 3)  # nobody left to answer: the wait ends at once, not after the timeout
+    for m in (a, b, c):  # everyone else leaves (with a notice)
+        m.leave()
+    d = _transport(store, 1, 3).membership  # nobody left to answer: the wait ends at once, not after the timeout
     a.close(), b.close(), c.close()
     t0 = time.monotonic()
     d.request_state()
     assert d.await_state(30.0) is None and time.monotonic() - t0 < 2.0
     d.close()
+
+
+def test_live_peers_answer_a_joiner_in_the_background_and_a_dead_donor_is_replaced(store):
+    """The heartbeat answers requests (no round start needed); a donor that claimed a request and died before
+    sending is replaced: the joiner asks again and another live peer answers."""
+    a, b, c = (_transport(store, r, 3).membership for r in range(3))
+    c.request_state()
+    with a.stores.lease() as s:  # a claims the request by hand, then "dies" without answering
+        key = a._state_key(2, f"{c.incarnation}.{c._request}")
+        assert s.compare_set(key + "/claim", "", b"0") == b"0"
+    a.close()  # its heartbeat stops: after liveness it counts as gone
+    b.serve(lambda: (5, b"state of b"))
+    t0 = time.monotonic()
+    assert c.await_state(30.0) == b"state of b"
+    assert time.monotonic() - t0 < a.liveness + 3.0
+    b.close(), c.close()
+
+
+def test_round_start_reads_every_slot_in_one_batched_store_read(store):
+    """A round start's store reads do not grow with the slot count: the slots' rounds come in one multi_get."""
+    m = _transport(store, 0, 32).membership
+    calls = []
+    with m.stores.lease() as s:
+        real = type(s).multi_get
+
+        class Counting:
+            def __init__(self, inner):
+                self.inner = inner
+
+            def __getattr__(self, name):
+                return getattr(self.inner, name)
+
+            def multi_get(self, keys):
+                calls.append(len(keys))
+                return real(self.inner, keys)
+
+            def add(self, key, value):
+                calls.append(("add", key))
+                return self.inner.add(key, value)
+
+    pool = m.stores
+    original = pool.acquire
+    pool.acquire = lambda: Counting(original())
+    try:
+        assert m.peer_rounds() == {} and m.live_round() is None
+    finally:
+        pool.acquire = original
+    assert calls == [3 * 31, 3 * 31], calls  # one read each, whatever the slot count
+    m.close()
 
 
 def _wrapper(transport, seed_value: float) -> FGDiLoCo:
@@ -186,27 +239,14 @@ def _wrapper(transport, seed_value: float) -> FGDiLoCo:
 def test_rejoin_adopts_a_live_peers_state_and_round(store):
     a = _wrapper(_transport(store, 0, 2), 1.0)
     b = _wrapper(_transport(store, 1, 2), 5.0)  # a fresh joiner: its own values are not to be mixed in
-    a.transport.publish_round(6)
-    a._round = 6
-    a._momentum = [torch.full_like(m, 0.25) for m in a._momentum]
-    done = threading.Event()
-
-    def serve():  # a, at its next round start, answers the request
-        while not done.is_set():
-            a._serve_state_requests()
-            time.sleep(0.05)
-
-    t = threading.Thread(target=serve)
-    t.start()
-    try:
-        assert b.rejoin() == 6
-    finally:
-        done.set()
-        t.join()
-    assert b.rejoins == 1 and b._steps_in_round == 0
+    a.outer.set(a.outer.theta0, [torch.full_like(m, 0.25) for m in a.outer.momentum], 6)
+    a.transport.membership.publish_round(6)
+    a.transport.membership.serve(a.outer.committed_state)  # its heartbeat answers the request
+    assert b.rejoin() == 6
+    assert b.rejoins == 1 and b.outer.steps_in_round == 0
     for p in b.params:
         assert torch.equal(p.detach(), torch.ones_like(p))
-    for m in b._momentum:
+    for m in b.outer.momentum:
         assert torch.equal(m, torch.full_like(m, 0.25))
     assert b.rejoin() == 6 and b.rejoins == 1  # already there: nothing changes
     a.close(), b.close()
@@ -217,9 +257,9 @@ def test_rejoin_with_own_state_jumps_to_the_live_round_and_keeps_its_parameters(
     a = _wrapper(_transport(store, 0, 2), 1.0)
     b = _wrapper(_transport(store, 1, 2), 5.0)
     b.load_state_dict(b.state_dict())  # its own checkpoint: not fresh
-    a.transport.publish_round(3)
+    a.transport.membership.publish_round(3)
     assert b.rejoin() == 3 and b.rejoins == 1
-    for p, t in zip(b.params, b._theta0):
+    for p, t in zip(b.params, b.outer.theta0):
         assert torch.equal(p.detach(), torch.full_like(p, 5.0)) and torch.equal(t, p.detach())
     a.close(), b.close()
     a.transport.close(), b.transport.close()

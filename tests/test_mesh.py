@@ -16,7 +16,7 @@ from fgdiloco.gossip.mix import Mixer
 from fgdiloco.gossip.topology import make_topology
 from fgdiloco.pipeline import Pipeline, PipelineError
 from fgdiloco.pretrain import GPT, GPTConfig, lm_loss
-from tests.distributed import run_ranks
+from fgdiloco.testing import run_ranks
 from tests.reference import INNER_LR, batch, diloco_reference, make_model
 from tests.test_pipeline import split_mlp
 
@@ -97,7 +97,7 @@ def test_mesh_groups_coordinates_and_stage_fingerprints(tmp_path):
 def _bad_arguments(rank: int, world: int) -> list[str]:
     msgs = []
     for args, kwargs in [((3, 1), {}), ((0, 2), {}), ((2, 0), {}), ((2, 1.0), {}), ((True, 2), {}),
-                         ((1, 2), {"timeout": 0}), ((1, 2), {"timeout": "5"}), ((1, 2), {"process_group": 3})]:
+                         ((1, 2), {"stage_timeout": 0}), ((1, 2), {"timeout": "5"}), ((1, 2), {"process_group": 3})]:
         try:
             ReplicaMesh(*args, **kwargs)
         except (TypeError, ValueError) as e:
@@ -120,8 +120,8 @@ def test_bad_arguments_raise_naming_the_argument_before_building_anything(tmp_pa
             "ValueError: stages must be an int >= 1, got 0",
             "TypeError: stages must be an int >= 1, got float",
             "TypeError: replicas must be an int >= 1, got bool",
-            "ValueError: timeout must be a finite number of seconds > 0, got 0",
-            "TypeError: timeout must be a number of seconds > 0, got str",
+            "ValueError: stage_timeout must be seconds > 0 (a finite number), got 0",
+            "TypeError: timeout must be seconds > 0 (a finite number), got str",
             "TypeError: process_group must be a torch.distributed ProcessGroup or None, got int"]
     assert msgs[: len(want)] == want
     assert msgs[len(want)].startswith("ValueError: process_group must hold every rank of the default group")

@@ -14,7 +14,7 @@ from torch import nn
 
 from fgdiloco import ReplicaMesh
 from fgdiloco.pipeline import Pipeline, PipelineError
-from tests.distributed import run_ranks
+from fgdiloco.testing import run_ranks
 from tests.reference import batch, make_model
 
 M = 4  # microbatches

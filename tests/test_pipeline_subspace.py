@@ -23,7 +23,7 @@ from fgdiloco.factor.subspace import (
 from fgdiloco.pipeline import Pipeline
 from fgdiloco.pipeline.codec import _inferring_shapes, shape_inference
 from fgdiloco.pretrain.model import GPT, GPTConfig, GPTStage, activation_codec_for, build_stage, lm_loss
-from tests.distributed import run_ranks
+from fgdiloco.testing import run_ranks
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16)
 CFG3 = GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=16)  # for 3 stages

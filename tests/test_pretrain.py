@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import json
 import math
@@ -40,7 +41,7 @@ from fgdiloco.pretrain.model import GPT, GPTConfig
 from fgdiloco.pretrain.recipe import lr_at
 from fgdiloco.pretrain.results import ROW_FIELDS, SUMMARY_FIELDS, format_round, read_rows, summarise
 from fgdiloco.pretrain.worker import DEPARTURES, TrainConfig, train_worker
-from tests.distributed import run_ranks
+from fgdiloco.testing import run_ranks
 
 FIXTURE = Path(__file__).parent / "fixtures" / "moby_dick_ch1-29.txt"
 ROOT = Path(__file__).resolve().parents[1]
@@ -338,12 +339,13 @@ def test_finish_interrupted_summarises_the_rounds_done_and_keeps_a_complete_summ
 
 # ------------------------------------------------------------------------------------------------ defaults
 def test_defaults_are_the_librarys_or_their_difference_is_shown_in_help():
-    from fgdiloco import FGDiLoCo
+    from fgdiloco import FGDiLoCoConfig
     from fgdiloco.factor import LowRank
 
     d = TrainConfig()
     lowrank = inspect.signature(LowRank).parameters
-    fg = inspect.signature(FGDiLoCo).parameters
+    fg = {f.name: f for f in dataclasses.fields(FGDiLoCoConfig)}
+    fg["timeout"] = fg["join_timeout"]
     assert d.rank == lowrank["rank"].default and d.error_feedback == lowrank["error_feedback"].default
     differ = []
     for name in ("outer_lr", "outer_momentum", "topology", "mix1_rounds", "mix2_rounds", "timeout"):

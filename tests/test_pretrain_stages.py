@@ -17,7 +17,7 @@ import pytest
 from fgdiloco.cli import main
 from fgdiloco.pretrain.results import ROW_FIELDS, SUMMARY_FIELDS, read_rows, summarise
 from fgdiloco.pretrain.worker import TrainConfig, batch_seed, train_worker
-from tests.distributed import run_ranks
+from fgdiloco.testing import run_ranks
 
 FIXTURE = Path(__file__).parent / "fixtures" / "moby_dick_ch1-29.txt"
 ROOT = Path(__file__).resolve().parents[1]

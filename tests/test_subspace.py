@@ -31,7 +31,7 @@ from fgdiloco.factor import (
 )
 from fgdiloco.factor.subspace import default_tolerance, orthonormalize
 from fgdiloco.pretrain.model import GPT, GPTConfig
-from tests.distributed import run_ranks
+from fgdiloco.testing import run_ranks
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -15,7 +15,7 @@ from fgdiloco.gossip import (
     Mixer,
     make_topology,
 )
-from tests.distributed import run_ranks
+from fgdiloco.testing import run_ranks
 
 NAMES = sorted(TOPOLOGIES)
 

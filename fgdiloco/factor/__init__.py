@@ -1,7 +1,7 @@
 """Compression of gossip payloads (codecs, error feedback, checked wire frames: DESIGN §3) and of activations
 between pipeline stages (subspace codec: DESIGN §4)."""
 
-from .codec import BF16, Codec, CodecError, Dense, codec_from_id, register_codec, resolve_codec
+from .codec import BF16, Codec, CodecError, Dense, codec_from_id, codec_names, register_codec, resolve_codec
 from .frame import HEADER_SIZE, FrameError, decode_frame, encode_frame, job_secret, layout_fingerprint
 from .lowrank import LowRank
 from .quantize import Int8, dequantize_int8, quantize_int8
@@ -32,6 +32,7 @@ __all__ = [
     "SubspaceCodec",
     "SubspaceError",
     "codec_from_id",
+    "codec_names",
     "decode_frame",
     "dequantize_int8",
     "encode_frame",

@@ -27,6 +27,7 @@ projection onto a basis both peers share.
 from __future__ import annotations
 
 import abc
+import inspect
 import math
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ import numpy as np
 import torch
 
 __all__ = ["Codec", "Dense", "BF16", "CodecError", "Message", "PairOutcome", "PairSession", "register_codec",
-           "codec_from_id", "resolve_codec"]
+           "codec_from_id", "codec_names", "resolve_codec"]
 
 
 class CodecError(ValueError):
@@ -292,8 +293,14 @@ class BF16(Codec):
         return _split(raw.view(torch.bfloat16).to(torch.float32), like)
 
 
-def resolve_codec(codec: Codec | str | None, *, default: str, argument: str) -> Codec:
-    """Turn ``None``, a codec name or a :class:`Codec` instance into a codec instance.
+def codec_names() -> list[str]:
+    """The names of the registered codecs (:func:`register_codec`), sorted: what a codec setting accepts."""
+    return sorted(cls.name for cls in _REGISTRY.values())
+
+
+def resolve_codec(codec: Codec | str | None, *, default: str, argument: str, rank: int | None = None) -> Codec:
+    """Turn ``None``, a codec name or a :class:`Codec` instance into a codec instance. ``rank``: the rank of a
+    codec built by name that takes one (``"lowrank"``); None: its own default.
 
     Raises:
         TypeError: ``codec`` is neither None, a string nor a Codec.
@@ -308,5 +315,8 @@ def resolve_codec(codec: Codec | str | None, *, default: str, argument: str) -> 
         if codec.lower() not in by_name:
             raise ValueError(f"{argument}={codec!r} is not a known codec; use one of {sorted(by_name)} "
                              "or a fgdiloco.factor.Codec instance")
-        return by_name[codec.lower()]()
+        cls = by_name[codec.lower()]
+        if rank is not None and "rank" in inspect.signature(cls).parameters:
+            return cls(rank=rank)
+        return cls()
     raise TypeError(f"{argument} must be None, a codec name or a fgdiloco.factor.Codec, got {type(codec).__name__}")

@@ -41,6 +41,7 @@ import struct
 import threading
 import zlib
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -225,6 +226,25 @@ def decode_frame(
         data = memoryview(data).cast("B")
     except TypeError as e:
         raise FrameError(f"a frame must be bytes, got {type(data).__name__}") from e
+    header, payload = _intact(data, secret)
+    # From here on the frame is intact as sent: what remains rejects frames from another codec, model or build,
+    # and forged ones (the CRC detects accidents, not intent).
+    _check_origin(header, codec, fingerprint, sender, round)
+    return _decode_body(header, payload, codec, like)
+
+
+class _Header(NamedTuple):
+    codec_id: int
+    flags: int
+    shuffle: int
+    sender: int
+    round: int
+    fingerprint: bytes
+    raw_len: int
+
+
+def _intact(data: memoryview, secret: bytes | None) -> tuple[_Header, bytes]:
+    """The header and payload of a frame that is whole, uncorrupted and authenticated as this worker requires."""
     if len(data) < HEADER_SIZE:
         raise FrameError(f"truncated frame: {len(data)} bytes, a header alone is {HEADER_SIZE}")
     head = bytes(data[: _HEADER.size])
@@ -249,36 +269,42 @@ def decode_frame(
     if secret is not None and not hmac.compare_digest(
             _tag(secret, bytes(data[:HEADER_SIZE]), payload), bytes(data[HEADER_SIZE + payload_len:])):
         raise FrameError("frame authentication tag does not match: the sender does not hold the job secret")
-    # From here on the frame is intact as sent: what remains rejects frames from another codec, model or build,
-    # and forged ones (the CRC detects accidents, not intent).
-    if codec_id != codec.codec_id:
-        raise FrameError(f"frame was encoded with codec id {codec_id}, this worker uses {codec.name} "
+    return _Header(codec_id, flags, shuffle, f_sender, f_round, f_fp, raw_len), payload
+
+
+def _check_origin(h: _Header, codec: Codec, fingerprint: bytes, sender: int | None, round: int | None) -> None:
+    """Reject a frame of another codec, model layout, sender or round, or with flags this build does not know."""
+    if h.codec_id != codec.codec_id:
+        raise FrameError(f"frame was encoded with codec id {h.codec_id}, this worker uses {codec.name} "
                          f"(id {codec.codec_id})")
-    if f_fp != fingerprint:
-        raise FrameError(f"parameter layout fingerprint {f_fp.hex()} does not match ours ({fingerprint.hex()}): "
-                         "the peer trains a different model")
-    if sender is not None and f_sender != sender:
-        raise FrameError(f"frame claims sender rank {f_sender}, expected {sender}")
-    if round is not None and f_round != round:
-        raise FrameError(f"frame belongs to round {f_round}, expected {round}")
-    if flags & ~(FLAG_ZSTD | FLAG_SHUFFLE | FLAG_MAC):
-        raise FrameError(f"frame has unknown flags {flags:#04x}")
-    if bool(flags & FLAG_SHUFFLE) != (shuffle != 0):
-        raise FrameError(f"frame shuffle flag ({bool(flags & FLAG_SHUFFLE)}) and element size ({shuffle}) disagree")
+    if h.fingerprint != fingerprint:
+        raise FrameError(f"parameter layout fingerprint {h.fingerprint.hex()} does not match ours "
+                         f"({fingerprint.hex()}): the peer trains a different model")
+    if sender is not None and h.sender != sender:
+        raise FrameError(f"frame claims sender rank {h.sender}, expected {sender}")
+    if round is not None and h.round != round:
+        raise FrameError(f"frame belongs to round {h.round}, expected {round}")
+    if h.flags & ~(FLAG_ZSTD | FLAG_SHUFFLE | FLAG_MAC):
+        raise FrameError(f"frame has unknown flags {h.flags:#04x}")
+    if bool(h.flags & FLAG_SHUFFLE) != (h.shuffle != 0):
+        raise FrameError(f"frame shuffle flag ({bool(h.flags & FLAG_SHUFFLE)}) and element size ({h.shuffle}) "
+                         "disagree")
+
+
+def _decode_body(h: _Header, payload: bytes, codec: Codec, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The body's tensors: size-checked before decompressing, then of the expected shapes and finite."""
     try:
         limit = min(int(codec.max_body_bytes(like)), MAX_BODY_BYTES)
     except Exception as e:  # noqa: BLE001 - a codec that cannot size this layout cannot decode it either
         raise FrameError(f"{codec.name} cannot size a body for this layout: {type(e).__name__}: {e}") from e
-    if raw_len > limit:
-        raise FrameError(f"frame announces a {raw_len}-byte body, over the {limit} bytes {codec.name} can make "
+    if h.raw_len > limit:
+        raise FrameError(f"frame announces a {h.raw_len}-byte body, over the {limit} bytes {codec.name} can make "
                          "for this layout")
-    body = payload
-    if flags & FLAG_ZSTD:
-        body = _decompress(payload, raw_len)
-    if len(body) != raw_len:
-        raise FrameError(f"frame body is {len(body)} bytes, header says {raw_len}")
-    if flags & FLAG_SHUFFLE:
-        body = _unshuffle(body, shuffle)
+    body = _decompress(payload, h.raw_len) if h.flags & FLAG_ZSTD else payload
+    if len(body) != h.raw_len:
+        raise FrameError(f"frame body is {len(body)} bytes, header says {h.raw_len}")
+    if h.flags & FLAG_SHUFFLE:
+        body = _unshuffle(body, h.shuffle)
     try:
         tensors = codec.decode(body, like)
     except CodecError as e:

@@ -277,44 +277,12 @@ class LowRank(Codec):
         wire: list[torch.Tensor] = []
         decoded: list[torch.Tensor | None] = [None] * len(tensors)
         for g in plan.groups:
-            dev = tensors[g.indices[0]].device
-            mb = torch.empty((len(g.indices), g.m, g.n), dtype=torch.float32, device=dev)
-            for j, i in enumerate(g.indices):
-                x = tensors[i].detach().reshape(g.m, g.n).to(device=dev)
-                e_old = self._e[i] if self._e and self.error_feedback else None
-                if keep and e_old is not None:
-                    torch.add(x, e_old.reshape(g.m, g.n).to(dev), out=mb[j])
-                else:
-                    mb[j].copy_(x)
+            mb = self._stack_inputs(g, tensors, keep)
             if g.factored:
-                qb = torch.stack([self._start_q(i, g.n, dev) for i in g.indices])
-                p = torch.bmm(mb, qb.transpose(1, 2))
-                finite = torch.isfinite(p).flatten(1).all(dim=1)
-                all_finite = bool(finite.all())
-                if all_finite:
-                    p_hat = torch.linalg.qr(p).Q
-                else:  # keep NaN/Inf in what is sent (the peer rejects it) without asking LAPACK to factor it
-                    ok = finite.view(-1, 1, 1)
-                    p_hat = torch.where(ok, torch.linalg.qr(torch.where(ok, p, 0.0)).Q, p)
-                parts_p, pt = self._send(p_hat.transpose(1, 2).reshape(-1, g.m))
-                qt = torch.bmm(pt.view(-1, g.rank, g.m), mb)
-                parts_q, qt_deq = self._send(qt.reshape(-1, g.n))
-                wire += [*parts_p, *parts_q]
-                out = self._rebuild(g, (pt, qt_deq))
-                if stateful:
-                    warm = self._warm(qt, g)
-                    for j, i in enumerate(g.indices):
-                        if all_finite or bool(finite[j]):
-                            self._q[i] = warm[j]
+                parts, out, finite = self._encode_factored(g, mb, stateful)
             else:
-                rows = mb.view(len(g.indices), g.n)
-                # fp32 sends the rows themselves: copy them, mb becomes the residual below
-                parts, deq = self._send(rows.clone() if self.quantize == "fp32" else rows)
-                wire += list(parts)
-                out = self._rebuild(g, (deq,))
-                all_finite = _all_finite(mb)
-                if not all_finite:
-                    finite = torch.isfinite(mb).flatten(1).all(dim=1)
+                parts, out, finite = self._encode_dense(g, mb)
+            wire += parts
             outs = []
             for j, i in enumerate(g.indices):
                 t = tensors[i]
@@ -324,17 +292,69 @@ class LowRank(Codec):
                 outs.append(o)
                 decoded[i] = o.to(device=t.device)
             if keep:
-                if all(o.dtype == torch.float32 for o in outs):
-                    mb.sub_(out)
-                else:
-                    for j, o in enumerate(outs):
-                        if o.dtype == torch.float32:
-                            mb[j].sub_(out[j])
-                if not all_finite:
-                    mb[~finite.to(mb.device)] = 0.0  # a non-finite input does not poison later rounds
-                for j, i in enumerate(g.indices):
-                    self._e[i] = mb[j].view(self._shapes[i])
+                self._keep_residual(g, mb, out, outs, finite)
         return self._pack(wire), decoded
+
+    def _stack_inputs(self, g: Any, tensors: Any, keep: bool) -> torch.Tensor:
+        """The group's inputs as one ``[len, m, n]`` fp32 batch, plus their residuals when error feedback adds them."""
+        dev = tensors[g.indices[0]].device
+        mb = torch.empty((len(g.indices), g.m, g.n), dtype=torch.float32, device=dev)
+        for j, i in enumerate(g.indices):
+            x = tensors[i].detach().reshape(g.m, g.n).to(device=dev)
+            e_old = self._e[i] if self._e and self.error_feedback else None
+            if keep and e_old is not None:
+                torch.add(x, e_old.reshape(g.m, g.n).to(dev), out=mb[j])
+            else:
+                mb[j].copy_(x)
+        return mb
+
+    def _encode_factored(self, g: Any, mb: torch.Tensor, stateful: bool) -> tuple[list, torch.Tensor, Any]:
+        """One warm-started power step per matrix: what is sent, what the receiver rebuilds, and which matrices
+        were finite (None: all)."""
+        qb = torch.stack([self._start_q(i, g.n, mb.device) for i in g.indices])
+        p = torch.bmm(mb, qb.transpose(1, 2))
+        finite = torch.isfinite(p).flatten(1).all(dim=1)
+        all_finite = bool(finite.all())
+        if all_finite:
+            p_hat = torch.linalg.qr(p).Q
+        else:  # keep NaN/Inf in what is sent (the peer rejects it) without asking LAPACK to factor it
+            ok = finite.view(-1, 1, 1)
+            p_hat = torch.where(ok, torch.linalg.qr(torch.where(ok, p, 0.0)).Q, p)
+        parts_p, pt = self._send(p_hat.transpose(1, 2).reshape(-1, g.m))
+        qt = torch.bmm(pt.view(-1, g.rank, g.m), mb)
+        parts_q, qt_deq = self._send(qt.reshape(-1, g.n))
+        out = self._rebuild(g, (pt, qt_deq))
+        if stateful:
+            warm = self._warm(qt, g)
+            for j, i in enumerate(g.indices):
+                if all_finite or bool(finite[j]):
+                    self._q[i] = warm[j]
+        return [*parts_p, *parts_q], out, None if all_finite else finite
+
+    def _encode_dense(self, g: Any, mb: torch.Tensor) -> tuple[list, torch.Tensor, Any]:
+        """Tensors sent as they are (in the number format): parts, what the receiver gets, finite rows (None:
+        all)."""
+        rows = mb.view(len(g.indices), g.n)
+        # fp32 sends the rows themselves: copy them, mb becomes the residual below
+        parts, deq = self._send(rows.clone() if self.quantize == "fp32" else rows)
+        out = self._rebuild(g, (deq,))
+        finite = None if _all_finite(mb) else torch.isfinite(mb).flatten(1).all(dim=1)
+        return list(parts), out, finite
+
+    def _keep_residual(self, g: Any, mb: torch.Tensor, out: torch.Tensor, outs: list[torch.Tensor],
+                       finite: Any) -> None:
+        """Error feedback: what was not sent (``mb`` minus what the receiver rebuilds) is carried to the next round;
+        a non-finite input does not poison later rounds."""
+        if all(o.dtype == torch.float32 for o in outs):
+            mb.sub_(out)
+        else:
+            for j, o in enumerate(outs):
+                if o.dtype == torch.float32:
+                    mb[j].sub_(out[j])
+        if finite is not None:
+            mb[~finite.to(mb.device)] = 0.0
+        for j, i in enumerate(g.indices):
+            self._e[i] = mb[j].view(self._shapes[i])
 
     def encode_staged(self, tensors):
         """``encode(tensors, stateful=True)`` whose warm starts and residuals take effect only on ``commit()``
@@ -399,11 +419,17 @@ class LowRank(Codec):
         body, own_b = fmt.encode(b_rows)
         peer_b = yield Message(body, fmt, own_b)
 
-        correction: list[torch.Tensor | None] = [None] * len(values)
-        dist_sq = [0.0] * len(values)
+        return self._pair_outcome(factored + dense, bases, own_b, b_rows, peer_b, shapes)
+
+    def _pair_outcome(self, groups: list, bases: list, own_b: list, b_rows: list, peer_b: list,
+                      shapes: tuple) -> PairOutcome:
+        """The pair session's end: ``c_i = ½ P̂ (B_j − B_i)`` per matrix (``½ (x_j − x_i)`` per dense tensor), the
+        disagreement as transmitted, this worker's quantisation floor, and the warm starts both peers agree on."""
+        correction: list[torch.Tensor | None] = [None] * len(shapes)
+        dist_sq = [0.0] * len(shapes)
         floor_sq = 0.0
         warm: dict[int, torch.Tensor] = {}
-        for k, g in enumerate(factored + dense):  # the order of the B message
+        for k, g in enumerate(groups):  # the order of the B message
             mine, sent = own_b[k], b_rows[k]
             diff = peer_b[k].to(mine.device) - mine  # B_j − B_i; the peer computes its exact negation
             floor_sq += float(torch.sum((mine.double() - sent.double()) ** 2))

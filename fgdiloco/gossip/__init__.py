@@ -1,5 +1,6 @@
 """Gossip: topologies (who talks to whom), transports (how bytes move), and the mix itself."""
 
+from .membership import Membership, StoreMembership
 from .mix import Mixer, MixResult, PeerHealth
 from .topology import (
     TOPOLOGIES,
@@ -20,6 +21,7 @@ __all__ = [
     "ExponentialTopology",
     "LocalHub",
     "LocalTransport",
+    "Membership",
     "MixResult",
     "Mixer",
     "PeerDeclined",
@@ -27,6 +29,7 @@ __all__ = [
     "PeerHealth",
     "RandomTopology",
     "RingTopology",
+    "StoreMembership",
     "Topology",
     "Transport",
     "make_topology",

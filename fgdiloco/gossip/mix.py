@@ -25,14 +25,15 @@ A failed, rejected, declined or skipped exchange leaves the worker's row of the 
 that gossip round (it keeps its own value), is counted in :class:`MixResult` (``failed``, or ``skipped`` when no
 timeout was spent: the peer left, declined, is absent, restarted or ahead, or is in back-off) and logged.
 
-**Deadlines.** Until the peer's first payload arrives, a pair exchange waits at most ``timeout`` and only while
-the peer is live: the transport's heartbeat and departure notices are polled every 0.25 s, so a dead, hung
-(SIGSTOPped) or departed peer costs at most ``LIVENESS_SECONDS`` (5 s; 2 s once another worker saw its connection
-reset), a side that gave up the exchange ends its peer's wait at once, and a live peer that is late because it lost
-time to a dead third one is waited for (exchanges between live peers do not fail in a cascade). After the first
-payload the rest of the conversation is bounded by the *adaptive deadline* (:meth:`Mixer.deadline`):
+**Deadlines.** Until the peer's first payload arrives, a pair exchange waits at most ``join_timeout`` and only
+while the peer is live: one supervision loop (:func:`fgdiloco.runtime.supervise`) asks the membership every
+0.25 s, so a dead, hung (SIGSTOPped) or departed peer costs at most ``liveness`` (5 s; 2 s once another worker saw
+its connection reset), a side that gave up the exchange ends its peer's wait at once, and a live peer that is late
+because it lost time to a dead third one is waited for (exchanges between live peers do not fail in a cascade).
+After the first payload the rest of the conversation is bounded by the *adaptive deadline* (:meth:`Mixer.deadline`):
 ``max(1 s + 3·median, median + 6·MAD)`` of the last 16 successful conversations of this mix (measured from the
-first payload to the accept byte), at most ``timeout``, and ``timeout`` itself until 5 have been measured.
+first payload to the accept byte), at most ``exchange_timeout``, and ``exchange_timeout`` itself until 5 have been
+measured. Group steps (the exact topology) are bounded by ``collective_timeout``.
 
 **Values out of scale.** Before a peer's message is mixed in, its norm is compared with this worker's own
 message of the same quantity: ``‖q_peer‖ > max_ratio·‖own‖ + 1e-6·√n`` (``max_ratio`` 100 in ``FGDiLoCo``, n elements)
@@ -55,10 +56,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..config import FGDiLoCoConfig
 from ..factor.codec import Codec, CodecError, PairOutcome
 from ..factor.frame import FrameError, decode_frame, encode_frame
+from ..runtime import Background, ExchangeError, supervise
 from .topology import GROUP, IDLE, PAIR, Topology
-from .transport import Background, ExchangeError, PeerDeclined, Transport, gone_error
+from .transport import PeerDeclined, Transport, gone_error
 
 __all__ = ["MixResult", "Mixer", "PeerHealth", "pair_round_in_process"]
 
@@ -72,7 +75,6 @@ DEADLINE_SAMPLES = 16  # successful conversations the adaptive deadline is measu
 DEADLINE_MIN_SAMPLES = 5  # before that many, the deadline is ``timeout``
 DEADLINE_MADS = 6.0  # deadline = median + this many MADs ...
 DEADLINE_FLOOR = (1.0, 3.0)  # ... but at least 1 s + 3 x the median
-_POLL = 0.25  # seconds between liveness checks while waiting for a peer's first payload
 
 
 class _Rejected(ExchangeError):
@@ -186,7 +188,10 @@ class Mixer:
         codec: compresses what is sent.
         rounds: gossip rounds per mix (``r1`` or ``r2``); 0 makes the mix the identity.
         fingerprint: the parameter-layout fingerprint checked in every frame.
-        timeout: seconds per exchange (the whole conversation with one peer, or one collective).
+        timeout: seconds; the default of the three deadlines below (earlier versions' single ``timeout``).
+        join_timeout: seconds a peer may take to arrive for a pair exchange, up to its first payload.
+        exchange_timeout: seconds the rest of a pair conversation may take at most (the adaptive deadline's cap).
+        collective_timeout: seconds one collective of a group step may take.
         offset: added to the schedule index so that Mix1 and Mix2 of the same outer round pick different peers.
         health: shared peer back-off state.
         resync: group steps compare digests first and average (losslessly) only replicas that differ (Mix1 of the
@@ -200,15 +205,22 @@ class Mixer:
     """
 
     def __init__(self, name: str, topology: Topology, transport: Transport | None, codec: Codec, rounds: int,
-                 fingerprint: bytes, timeout: float, offset: int = 0, health: PeerHealth | None = None,
-                 resync: bool = False, secret: bytes | None = None, max_ratio: float | None = None):
+                 fingerprint: bytes, timeout: float | None = None, offset: int = 0, health: PeerHealth | None = None,
+                 resync: bool = False, secret: bytes | None = None, max_ratio: float | None = None, *,
+                 join_timeout: float | None = None, exchange_timeout: float | None = None,
+                 collective_timeout: float | None = None):
         self.name = name
         self.topology = topology
         self.transport = transport
         self.codec = codec
         self.rounds = rounds
         self.fingerprint = fingerprint
-        self.timeout = timeout
+        d = FGDiLoCoConfig.build(**{k: v for k, v in (("timeout", timeout), ("join_timeout", join_timeout),
+                                                      ("exchange_timeout", exchange_timeout),
+                                                      ("collective_timeout", collective_timeout)) if v is not None})
+        self.join_timeout = d.join_timeout
+        self.exchange_timeout = d.exchange_timeout
+        self.collective_timeout = d.collective_timeout
         self.offset = offset
         self.health = health or PeerHealth()
         self.resync = resync
@@ -220,13 +232,14 @@ class Mixer:
 
     def deadline(self) -> float:
         """Seconds a pair conversation may take once both peers are there: ``max(1 + 3·median, median + 6·MAD)``
-        of the last ``DEADLINE_SAMPLES`` successful conversations of this mix, at most ``timeout``; ``timeout``
-        until ``DEADLINE_MIN_SAMPLES`` were measured."""
+        of the last ``DEADLINE_SAMPLES`` successful conversations of this mix, at most ``exchange_timeout``;
+        ``exchange_timeout`` until ``DEADLINE_MIN_SAMPLES`` were measured."""
         if len(self._durations) < DEADLINE_MIN_SAMPLES:
-            return self.timeout
+            return self.exchange_timeout
         med = statistics.median(self._durations)
         mad = statistics.median(abs(d - med) for d in self._durations)
-        return min(self.timeout, max(DEADLINE_FLOOR[0] + DEADLINE_FLOOR[1] * med, med + DEADLINE_MADS * mad))
+        return min(self.exchange_timeout, max(DEADLINE_FLOOR[0] + DEADLINE_FLOOR[1] * med,
+                                              med + DEADLINE_MADS * mad))
 
     def _key(self, idx: int) -> str:
         return f"{self.name}/{self.generation}/{idx}"
@@ -248,15 +261,15 @@ class Mixer:
             if step.kind == PAIR:
                 self._returned(step.peer)  # a peer back as a new process is prepared for again
             if step.kind == PAIR and not self.health.skip(step.peer, outer_round) \
-                    and not self.transport.has_left(step.peer):
+                    and not self.transport.membership.has_left(step.peer):
                 key = self._key(idx)
-                self.transport.prepare(step.peer, key=key, timeout=self.timeout)
+                self.transport.prepare(step.peer, key=key, timeout=self.join_timeout)
                 self._prepared[key] = step.peer
 
     def _returned(self, peer: int) -> bool:
         """A peer that came back as a new process starts with a clean slate: its back-off is reset."""
         try:
-            back = self.transport.returned(peer)
+            back = self.transport.membership.returned(peer)
         except Exception as err:  # noqa: BLE001 - a store we cannot reach: the exchange finds out
             log.debug("fgdiloco %s: could not check rank %d's incarnation: %s", self.name, peer, err)
             return False
@@ -320,15 +333,9 @@ class Mixer:
         key = self._key(idx)
         prepared = self._prepared.pop(key, None) is not None
         self._returned(peer)
-        if self.transport.has_left(peer):
-            self._skip(res, f"rank {peer} has left (departure notice)")
-            return 0.0
-        if not prepared and self.health.skip(peer, outer_round):
-            try:
-                self.transport.decline(peer, key=key)  # the peer's open() fails at once instead of timing out
-            except Exception as err:  # noqa: BLE001 - a store we cannot reach: the peer times out as before
-                log.debug("fgdiloco %s: could not post a skip notice for %s: %s", self.name, key, err)
-            self._skip(res, f"rank {peer} skipped (back-off after failures)")
+        reason = self._no_exchange(peer, key, prepared, outer_round)
+        if reason is not None:
+            self._skip(res, reason)
             return 0.0
         values = res.values
         counts = [0, 0]  # bytes sent, received (kept even when the conversation fails midway)
@@ -336,35 +343,13 @@ class Mixer:
         res.deadline = deadline if res.deadline is None else max(res.deadline, deadline)
         met: list[float] = []  # when the peer's first payload came (the conversation's deadline starts then)
         what = f"{self.name} exchange {key} with rank {peer}"
+        job = Background(lambda: self._converse(peer, key, idx, values, counts, deadline, met), what)
         try:
-            outcome = self._supervise(Background(lambda: self._converse(peer, key, idx, values, counts, deadline,
-                                                                        met), what), peer, key, met, deadline, what,
-                                       outer_round)
-        except _OutOfScale as e:
-            res.out_of_scale += 1
-            self._fail(res, str(e))
-            return 0.0
-        except _Rejected as e:
-            self._fail(res, str(e))
-            return 0.0
-        except PeerDeclined as e:  # PeerLeft is a PeerDeclined: no back-off needed either
-            self._skip(res, str(e))
-            return 0.0
+            outcome: PairOutcome = supervise(job, join_deadline=self.join_timeout, exchange_deadline=deadline,
+                                             met=met, watch=lambda t0: self._watch(peer, key, t0, outer_round, what),
+                                             what=what)
         except ExchangeError as e:
-            try:  # a peer that left dropped its end of a prepared group: not a failure to back off from
-                left = self.transport.peer_gone(peer, time.monotonic()) == "left"
-            except Exception:  # noqa: BLE001 - a store we cannot reach: treat it as a plain failure
-                left = False
-            if left:
-                self._skip(res, f"{e} (rank {peer} has left: departure notice)")
-            else:
-                self.health.failure(peer, outer_round)
-                self._fail(res, str(e))
-                reset = "reset by peer" in str(e) or "closed by peer" in str(e)
-                try:  # tell the peer, which may still be waiting for us, that this exchange is over
-                    self.transport.abandon(peer, key=key, suspect=reset)
-                except Exception as err:  # noqa: BLE001 - a store we cannot reach: the peer times out as before
-                    log.debug("fgdiloco %s: could not abandon %s: %s", self.name, key, err)
+            self._not_applied(res, peer, key, outer_round, e)
             return 0.0
         finally:
             res.bytes_sent += counts[0]
@@ -378,35 +363,54 @@ class Mixer:
         outcome.commit()
         return outcome.floor
 
-    def _supervise(self, job: Background, peer: int, key: str, met: list[float], deadline: float,
-                   what: str, outer_round: int) -> PairOutcome:
-        """Wait for the conversation in ``job``: until the peer's first payload at most ``timeout``, giving up as
-        soon as the peer left, its heartbeat stopped, or it has started a later outer round than
-        ``outer_round`` (it will never come: an elastic peer that rejoined ahead; polled every ``_POLL`` s);
-        then at most ``deadline``.
-        A thread left behind ends when its Gloo wait times out (the same bounds)."""
-        t0 = time.monotonic()
-        while True:
-            limit = met[0] + deadline if met else t0 + self.timeout
-            now = time.monotonic()
-            if now >= limit:
-                raise ExchangeError(f"{what} timed out after {now - t0:.1f} s"
-                                    + (f" ({deadline:.1f} s deadline after the first payload)" if met else ""))
-            if job.wait(min(limit - now, _POLL)):
-                break
-            if not met:
-                gone = self.transport.peer_gone(peer, t0, key)
-                if gone is not None:
-                    raise gone_error(gone, what)
-                ahead = self.transport.peer_round(peer)
-                if ahead is not None and ahead > outer_round:
-                    raise PeerDeclined(f"{what}: skipped: the peer has moved on to outer round {ahead}")
+    def _no_exchange(self, peer: int, key: str, prepared: bool, outer_round: int) -> str | None:
+        """Why no exchange is tried with ``peer`` (it left, or this worker backs off from it), or None."""
+        if self.transport.membership.has_left(peer):
+            return f"rank {peer} has left (departure notice)"
+        if not prepared and self.health.skip(peer, outer_round):
+            try:
+                self.transport.decline(peer, key=key)  # the peer's open() fails at once instead of timing out
+            except Exception as err:  # noqa: BLE001 - a store we cannot reach: the peer times out as before
+                log.debug("fgdiloco %s: could not post a skip notice for %s: %s", self.name, key, err)
+            return f"rank {peer} skipped (back-off after failures)"
+        return None
+
+    def _watch(self, peer: int, key: str, since: float, outer_round: int, what: str) -> None:
+        """Raise when ``peer`` will not come to the exchange ``key`` of ``outer_round``: it left, gave the exchange
+        up, its heartbeat stopped (the membership's verdicts), or it has started a later outer round (an elastic
+        peer that rejoined ahead). Polled by the supervision loop until the peer's first payload."""
+        gone = "abandoned" if self.transport.abandoned(peer, key) else self.transport.membership.gone(peer, since)
+        if gone is not None:
+            raise gone_error(gone, what)
+        ahead = self.transport.membership.peer_round(peer)
+        if ahead is not None and ahead > outer_round:
+            raise PeerDeclined(f"{what}: skipped: the peer has moved on to outer round {ahead}")
+
+    def _not_applied(self, res: MixResult, peer: int, key: str, outer_round: int, err: ExchangeError) -> None:
+        """Count and log an exchange that was not applied; stop this side's part of it and tell the peer (which
+        may still be waiting); back off from a peer that failed."""
+        if isinstance(err, _Rejected):  # the conversation ended: both sides know
+            if isinstance(err, _OutOfScale):
+                res.out_of_scale += 1
+            self._fail(res, str(err))
+            return
+        reset = "reset by peer" in str(err) or "closed by peer" in str(err)
         try:
-            return job.result()
-        except ExchangeError:
-            raise
-        except BaseException as err:  # noqa: BLE001 - every failure of an exchange is an ExchangeError
-            raise ExchangeError(f"{what} failed: {type(err).__name__}: {err}") from err
+            self.transport.abandon(peer, key=key, suspect=reset and not isinstance(err, PeerDeclined))
+        except Exception as e:  # noqa: BLE001 - a store we cannot reach: the peer times out as before
+            log.debug("fgdiloco %s: could not abandon %s: %s", self.name, key, e)
+        if isinstance(err, PeerDeclined):  # PeerLeft is a PeerDeclined: no back-off needed either
+            self._skip(res, str(err))
+            return
+        try:  # a peer that left dropped its end of a prepared group: not a failure to back off from
+            left = self.transport.membership.gone(peer, time.monotonic()) == "left"
+        except Exception:  # noqa: BLE001 - a store we cannot reach: treat it as a plain failure
+            left = False
+        if left:
+            self._skip(res, f"{err} (rank {peer} has left: departure notice)")
+            return
+        self.health.failure(peer, outer_round)
+        self._fail(res, str(err))
 
     def _check_scale(self, reply: Sequence[torch.Tensor], own: Sequence[torch.Tensor], peer: int, key: str) -> None:
         """Raise :class:`_OutOfScale` when ``‖reply‖ > max_ratio·‖own‖ + SCALE_EPS·√n``."""
@@ -420,10 +424,11 @@ class Mixer:
 
     def _converse(self, peer: int, key: str, idx: int, values: Sequence[torch.Tensor],
                   counts: list[int], deadline: float, met: list[float]) -> PairOutcome:
-        """The whole conversation with ``peer`` (runs under :meth:`_supervise`): the codec's messages, then
-        accept/reject. Returns the outcome only when both sides accepted."""
+        """The whole conversation with ``peer`` (runs under :func:`~fgdiloco.runtime.supervise`): the codec's
+        messages, then accept/reject. Returns the outcome only when both sides accepted."""
         rank = self.transport.rank
-        channel = self.transport.open(peer, key=key, timeout=self.timeout, deadline=deadline)
+        channel = self.transport.open(peer, key=key, timeout=self.join_timeout, deadline=deadline,
+                                      supervised=True)
 
         def send(payload: bytes) -> bytes:
             got = channel.exchange(payload)
@@ -482,7 +487,7 @@ class Mixer:
         if self.resync:
             mine = _digest(values)
             try:
-                digests = self.transport.all_gather(mine, key=key + "/digest", timeout=self.timeout)
+                digests = self.transport.all_gather(mine, key=key + "/digest", timeout=self.collective_timeout)
             except ExchangeError as e:
                 self._fail(res, str(e))
                 return False
@@ -511,7 +516,7 @@ class Mixer:
         m = self.transport.world_size
         flat = torch.cat([v.reshape(-1).float().cpu() for v in values])
         try:
-            self.transport.all_reduce_mean(flat, key=key, timeout=self.timeout)
+            self.transport.all_reduce_mean(flat, key=key, timeout=self.collective_timeout)
         except ExchangeError as e:
             self._fail(res, str(e))
             return None
@@ -533,7 +538,7 @@ class Mixer:
         frame = encode_frame(self.codec, body, sender=rank, round=0, fingerprint=self.fingerprint,
                              shuffle=self.codec.shuffle, secret=self.secret)
         try:
-            frames = self.transport.all_gather(frame, key=key, timeout=self.timeout)
+            frames = self.transport.all_gather(frame, key=key, timeout=self.collective_timeout)
         except ExchangeError as e:
             self._fail(res, str(e))
             return None
@@ -552,7 +557,7 @@ class Mixer:
                 self._fail(res, f"rejected frame from rank {src}: {e}", "left out of the mean by every worker")
         accepted = bytes(int(d is not None) for d in decoded)
         try:
-            verdicts = self.transport.all_gather(accepted, key=key + "/accepted", timeout=self.timeout)
+            verdicts = self.transport.all_gather(accepted, key=key + "/accepted", timeout=self.collective_timeout)
         except ExchangeError as e:
             self._fail(res, str(e))
             return None

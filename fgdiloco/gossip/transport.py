@@ -1,38 +1,31 @@
-"""How gossip bytes move between workers.
+"""How gossip bytes move between workers: exchanges and collectives (who is there is the membership's business,
+:mod:`fgdiloco.gossip.membership`).
 
 :class:`DistributedTransport` runs on ``torch.distributed``. Each pairwise exchange builds a *private* 2-rank Gloo
 process group on a :class:`~torch.distributed.PrefixStore` of the job's store, keyed by the mix, the schedule index
 and the pair. Why a fresh group per exchange: a Gloo timeout closes every connection of the group it happens in
-(PLATFORM.md), so a hung peer inside a shared group would break all later gossip; in a private group it breaks
-only that one exchange. A fresh key per exchange also means a peer that comes back after a failure can never be
-matched against a half-finished exchange. The cost is a few store round trips per exchange (about 2-3 ms on a
-TCPStore, about 25 ms on a FileStore), paid once per gossip round, not per inner step.
-
-Every call has a deadline: when it passes, the call raises :class:`ExchangeError` and the caller keeps its own
-value. The thread doing the exchange is a daemon and ends when Gloo's own timeout fires.
+(measured on Gloo/CPU: a hung peer inside a shared group broke every later exchange of that group), so a hung peer
+inside a shared group would break all later gossip; in a private group it breaks only that one exchange. A fresh
+key per exchange also means a peer that comes back after a failure can never be matched against a half-finished
+exchange. The cost is a few store round trips per exchange (about 2-3 ms on a TCPStore, about 25 ms on a
+FileStore), paid once per gossip round, not per inner step.
 
 A pairwise exchange is a conversation on a :class:`Channel` (:meth:`Transport.open`): the codec's messages, then a
 one-byte accept/reject from each side, so an exchange is applied by both peers or by neither
 (:mod:`fgdiloco.gossip.mix`). Before any Gloo connection is made each side posts a *hello* for the exchange in the
 store, ``go`` or ``skip``: a worker that skips an exchange (its peer is in back-off, or it has no use for it) says so
 with :meth:`Transport.decline`, and its peer's :meth:`~Transport.open` fails at once with :class:`PeerDeclined`
-instead of waiting for the timeout. Once both hellos are there, each side records its decision for the exchange with
-an atomic ``compare_set`` on one shared key: the first decision wins, so a side that gives up a prepared exchange
-(:meth:`Transport.discard`: a checkpoint was loaded, or the worker is leaving) and a side that is about to build the
-pair group can never disagree about whether the group is built.
+instead of waiting for the deadline. Once both hellos are there, each side records its decision with an atomic
+``compare_set`` on one shared key: the first decision wins, so a side that gives up an exchange
+(:meth:`Transport.discard` / :meth:`Transport.abandon`) and a side that is about to build the pair group can never
+disagree about whether the group is built. A side that gave up says so (:meth:`Transport.abandon`), and its peer
+stops waiting at once (:meth:`Transport.abandoned`).
 
-Who is there. Every worker bumps a heartbeat counter in the store every :data:`HEARTBEAT_SECONDS`; a worker waiting
-for a peer's hello gives up as soon as the peer's counter has not moved for :data:`LIVENESS_SECONDS` (a dead or
-SIGSTOPped peer costs that, not the timeout; :data:`SUSPECT_LIVENESS_SECONDS` when another worker already saw its
-connections reset, the mark of a dead process), and a live peer that is merely late is waited for up to the
-timeout (so a peer that lost time to a dead third one never makes a live exchange fail). A side that gives up an
-exchange it had started (:meth:`Transport.abandon`) says so, and its peer stops waiting at once. A worker that leaves
-(:meth:`Transport.leave`, called by ``FGDiLoCo.close``) posts a departure notice that its peers' waits check at
-every poll: an exchange with a departed worker fails at once with :class:`PeerLeft`.
-
-Each exchange in flight talks to the store over its own connection (:class:`_StorePool` of ``Store.clone()``s):
-a store client serialises its operations, so Mix1's background exchange waiting for its peer's address would
-otherwise hold up Mix2's on the main thread, and two workers could each wait for the other (seen on a TCPStore).
+Deadlines: ``join_timeout`` bounds a peer's arrival (its hello and its first payload: the pair group's own Gloo
+timeout), the ``deadline`` of :meth:`Transport.open` each later payload, ``collective_timeout`` the exact topology's
+collectives. Who watches: the mixer's one supervision loop (:func:`fgdiloco.runtime.supervise`), which asks the
+membership whether the peer is still there; :meth:`Transport.open` called directly (not under a supervisor) runs the
+same loop itself. The threads doing the work only block on the store and the network.
 
 :class:`LocalHub` is the in-process stand-in (threads as workers) used by fast unit tests.
 """
@@ -40,30 +33,25 @@ otherwise hold up Mix2's on the main thread, and two workers could each wait for
 from __future__ import annotations
 
 import abc
-import contextlib
 import datetime
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Background", "Channel", "ExchangeError", "PeerDeclined", "PeerLeft", "Transport", "DistributedTransport",
-           "LocalHub", "LocalTransport", "HEARTBEAT_SECONDS", "LIVENESS_SECONDS", "gone_error"]
+from ..config import FGDiLoCoConfig
+from ..runtime import Background, ExchangeError, call_with_deadline, supervise
+from .membership import Membership, StoreMembership
 
-T = TypeVar("T")
+__all__ = ["Channel", "ExchangeError", "PeerDeclined", "PeerLeft", "Transport", "DistributedTransport",
+           "LocalHub", "LocalTransport", "gone_error"]
+
 MAX_PAYLOAD_BYTES = 1 << 34  # a peer announcing more than 16 GiB is rejected before allocating
-HEARTBEAT_SECONDS = 0.25  # how often a worker bumps its heartbeat counter in the store
-LIVENESS_SECONDS = 5.0  # a peer whose heartbeat has not moved for this long is taken for dead (or hung)
-SUSPECT_LIVENESS_SECONDS = 2.0  # ... or this long when another worker saw its connection reset (a dead process)
-_POLL_SECONDS = 0.1  # longest single store wait while waiting for a peer's hello (then departure/liveness checks)
-
-
-class ExchangeError(RuntimeError):
-    """An exchange with a peer failed or timed out; the caller keeps its own value for that round."""
+_HELLO_POLL = (0.005, 0.1)  # first and longest sleep between two looks at the peer's hello (then it is there)
 
 
 class PeerDeclined(ExchangeError):
@@ -75,8 +63,9 @@ class PeerLeft(PeerDeclined):
     """The peer posted a departure notice (``FGDiLoCo.close``): it will not exchange again."""
 
 
-#: What :meth:`Transport.peer_gone` may answer, and what it means for the exchange: departure notice, skip (no
-#: back-off: the peer is fine or will be replaced), or a failure (back-off).
+#: What a membership's :meth:`~fgdiloco.gossip.membership.Membership.gone` (or :meth:`Transport.abandoned`) may
+#: answer, and what it means for the exchange: departure notice, skip (no back-off: the peer is fine or will be
+#: replaced), or a failure (back-off).
 _GONE_MESSAGES = {
     "left": (PeerLeft, "the peer has left (departure notice)"),
     "abandoned": (PeerDeclined, "declined: the peer gave up the exchange"),
@@ -86,8 +75,7 @@ _GONE_MESSAGES = {
 
 
 def gone_error(gone: str, what: str) -> ExchangeError:
-    """The exception for a :meth:`Transport.peer_gone` verdict ``gone`` about the exchange ``what``: one place
-    for the mapping, used by the transport's rendezvous and by the mixer's wait."""
+    """The exception for the verdict ``gone`` about the exchange ``what`` (one place for the mapping)."""
     kind, text = _GONE_MESSAGES.get(gone, (ExchangeError, f"failed: the peer is gone ({gone})"))
     return kind(f"{what}: {text}")
 
@@ -111,129 +99,41 @@ class Channel(abc.ABC):
         """Release the connection (nothing to do by default)."""
 
 
-_RUNNING: set[Background] = set()
-_RUNNING_LOCK = threading.Lock()
-
-
-def running_background() -> list[str]:
-    """What each :class:`Background` still running is doing (its ``what``)."""
-    with _RUNNING_LOCK:
-        return [job.what for job in _RUNNING]
-
-
-def drain_background(limit: float) -> list[str]:
-    """Wait (at most ``limit`` seconds in all) for every :class:`Background` still running, e.g. an exchange
-    given up on whose thread is still inside Gloo until its own timeout: a thread inside Gloo when the interpreter
-    exits aborts the process ("terminate called without an active exception"). Returns what is still running."""
-    t_end = time.monotonic() + limit
-    while True:  # until none is left (one started meanwhile included) or the time is up
-        with _RUNNING_LOCK:
-            running = list(_RUNNING)
-        left = t_end - time.monotonic()
-        if not running or left <= 0:
-            return [job.what for job in running]
-        running[0].wait(min(left, 0.5))
-
-
-class Background:
-    """``fn()`` running in a daemon thread (a gossip exchange, or a whole mix).
-
-    :meth:`result` waits for it (at most ``timeout`` seconds when given) and returns its value or re-raises its
-    exception. The thread is a daemon: one left behind by a timeout ends when Gloo's own timeout fires.
-    """
-
-    def __init__(self, fn: Callable[[], Any], what: str):
-        self.what = what
-        self._box: dict[str, Any] = {}
-        self._thread = threading.Thread(target=self._run, args=(fn,), name=f"fgdiloco-{what}", daemon=True)
-        with _RUNNING_LOCK:
-            _RUNNING.add(self)
-        self._thread.start()
-
-    def _run(self, fn: Callable[[], Any]) -> None:
-        try:
-            self._box["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised by result()
-            self._box["error"] = e
-        finally:
-            with _RUNNING_LOCK:
-                _RUNNING.discard(self)
-
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait at most ``timeout`` seconds for ``fn`` to end; True when it has."""
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
-
-    def result(self, timeout: float | None = None) -> Any:
-        """The value of ``fn()``; raises its exception, or :class:`ExchangeError` when ``timeout`` passes first."""
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise ExchangeError(f"{self.what} timed out after {timeout:.1f} s")
-        if "error" in self._box:
-            raise self._box["error"]
-        return self._box["value"]
-
-
-def call_with_deadline(fn: Callable[[], T], timeout: float, what: str) -> T:
-    """Run ``fn`` in a daemon thread and return its result, or raise :class:`ExchangeError` after ``timeout`` s
-    (or, wrapped, whatever ``fn`` raised)."""
-    try:
-        return Background(fn, what).result(timeout)
-    except ExchangeError:
-        raise
-    except BaseException as err:  # noqa: BLE001 - every failure of an exchange is an ExchangeError
-        raise ExchangeError(f"{what} failed: {type(err).__name__}: {err}") from err
-
-
-class _StorePool:
-    """Store connections handed to one exchange at a time (a clone costs ~0.2 s on a TCPStore, so they are
-    reused). A timed-out exchange gives its connection back only when its thread really ends."""
-
-    def __init__(self, store: dist.Store, warm: int = 2):
-        self._base = store
-        self._free = [store.clone() for _ in range(warm)]
-        self._lock = threading.Lock()
-
-    def acquire(self) -> dist.Store:
-        with self._lock:
-            if self._free:
-                return self._free.pop()
-        return self._base.clone()
-
-    def release(self, store: dist.Store) -> None:
-        with self._lock:
-            self._free.append(store)
-
-    @contextlib.contextmanager
-    def lease(self) -> Iterator[dist.Store]:
-        """A connection for the ``with`` block, given back after it."""
-        store = self.acquire()
-        try:
-            yield store
-        finally:
-            self.release(store)
-
-
 class Transport(abc.ABC):
-    """Moves gossip payloads. ``rank`` and ``world_size`` are positions in the gossip group."""
+    """Moves gossip payloads: pairwise exchanges (:meth:`open`, :meth:`prepare`, :meth:`decline`,
+    :meth:`discard`, :meth:`abandon`, :meth:`abandoned`, :meth:`exchange`) and the exact topology's collectives
+    (:meth:`all_gather`, :meth:`all_reduce_mean`). ``rank`` and ``world_size`` are positions in the gossip group;
+    :attr:`membership` says who is there."""
 
     rank: int
     world_size: int
-    timeout: float = 60.0  # seconds, for calls that give none
+    join_timeout: float = FGDiLoCoConfig.join_timeout  # seconds, for calls that give none
+
+    @property
+    def membership(self) -> Membership:
+        """Who is in the job (default: a membership that knows nothing)."""
+        found = self.__dict__.get("_membership")
+        if found is None:
+            found = self.__dict__["_membership"] = Membership(self.rank, self.world_size)
+        return found
+
+    @membership.setter
+    def membership(self, value: Membership) -> None:
+        self.__dict__["_membership"] = value
 
     @abc.abstractmethod
-    def open(self, peer: int, *, key: str, timeout: float, deadline: float | None = None) -> Channel:
+    def open(self, peer: int, *, key: str, timeout: float | None = None, deadline: float | None = None,
+             supervised: bool = False) -> Channel:
         """Meet ``peer`` for the exchange ``key`` (both call it with the same key) and return the channel.
 
-        ``timeout`` bounds the wait for a live peer to arrive, up to its first payload on the channel;
-        ``deadline`` (default ``timeout``) bounds each later payload.
+        ``timeout`` (default :attr:`join_timeout`) bounds the wait for the peer to arrive, up to its first payload
+        on the channel; ``deadline`` (default ``timeout``) bounds each later payload. ``supervised``: the caller
+        watches the peer's liveness itself (:func:`fgdiloco.runtime.supervise`) and calls :meth:`abandon` when it
+        gives up; otherwise this call watches it.
 
         Raises:
             PeerLeft: the peer posted a departure notice.
-            PeerDeclined: the peer posted a skip notice for ``key``.
+            PeerDeclined: the peer posted a skip notice for ``key``, gave it up, or its slot is empty.
             ExchangeError: the peer did not arrive within ``timeout`` seconds, or is dead.
         """
 
@@ -241,79 +141,31 @@ class Transport(abc.ABC):
     def decline(self, peer: int, *, key: str) -> None:
         """Post a skip notice for the exchange ``key`` with ``peer``: its :meth:`open` fails at once."""
 
+    def prepare(self, peer: int, *, key: str, timeout: float | None = None) -> None:  # noqa: B027 - optional
+        """Optionally start setting up a later :meth:`open` with ``peer`` under ``key`` (default: nothing)."""
+
     def discard(self, peer: int, *, key: str) -> None:
         """Give up the exchange ``key`` with ``peer`` prepared by :meth:`prepare` (or never opened): the peer's
         :meth:`open` fails at once (or, when it had already committed, on a connection that is closed).
         Default: :meth:`decline`."""
         self.decline(peer, key=key)
 
-    def leave(self) -> None:  # noqa: B027 - optional hook
-        """Post a departure notice: every later exchange a peer attempts with this worker fails at once."""
-
-    def has_left(self, peer: int) -> bool:
-        """Whether ``peer`` is known to have posted a departure notice (default: never known)."""
-        return False
-
-    def returned(self, peer: int) -> bool:
-        """Whether ``peer`` came back as a new process (a restarted or rejoined worker) since this was last
-        asked; forgets its departure notice when it did. Default: never."""
-        return False
-
-    def publish_round(self, outer_round: int) -> None:  # noqa: B027 - optional hook
-        """Tell the job that this worker is starting outer round ``outer_round`` (see :meth:`live_round`)."""
-
-    def peer_round(self, peer: int) -> int | None:
-        """The outer round ``peer`` last said it started (:meth:`publish_round`), or None when not known. A peer
-        past the round of an exchange will never come to it."""
-        return None
-
-    def peer_rounds(self) -> dict[int, int]:
-        """The outer round each peer in the job (joined, not departed) last said it started
-        (:meth:`publish_round`). Default: none known."""
-        return {}
-
-    def live_round(self) -> int | None:
-        """The newest outer round a peer of the job has started (None: not known), departed peers included: a
-        worker that restarted, or hung and came back, joins the job there (``FGDiLoCo.rejoin``), and one that
-        restarts after every peer finished joins at the job's end instead of training the remaining rounds alone.
-        (Falling behind is judged against :meth:`peer_rounds`, the peers still in the job.)"""
-        rounds = self.peer_rounds()
-        return max(rounds.values()) if rounds else None
-
-    def request_state(self) -> None:  # noqa: B027 - optional hook
-        """Ask the live peers for their state (a worker that joins without one of its own): the first peer to
-        see the request at its next round start answers with :meth:`offer_state`; :meth:`await_state` gets it."""
-
-    def state_requests(self) -> list[tuple[int, int]]:
-        """``(peer, incarnation)`` of the state requests not answered yet (cheap when there are none)."""
-        return []
-
-    def offer_state(self, peer: int, incarnation: int, payload: bytes) -> bool:
-        """Answer ``peer``'s state request with ``payload``; False when another peer answered first."""
-        return False
-
-    def await_state(self, timeout: float) -> bytes | None:
-        """The answer to this worker's :meth:`request_state`, or None when none came within ``timeout`` s."""
-        return None
-
-    def peer_gone(self, peer: int, since: float, key: str | None = None) -> str | None:
-        """Why ``peer`` will not come (``"left"``, ``"abandoned"`` the exchange ``key``, or its heartbeat
-        stopped), or None when it may still come. ``since`` (``time.monotonic()``) is when the caller started
-        waiting for it. Default: never known."""
-        return None
-
     def abandon(self, peer: int, *, key: str, suspect: bool = False) -> None:  # noqa: B027 - optional hook
-        """Say that this side gave up the exchange ``key`` with ``peer`` (its wait for us ends at once);
-        ``suspect``: the connection was reset, ``peer`` is probably dead. Default: nothing."""
+        """Say that this side gave up the exchange ``key`` with ``peer`` (its wait for us ends at once, and this
+        side's own set-up of it stops); ``suspect``: the connection was reset, ``peer`` is probably dead."""
+
+    def abandoned(self, peer: int, key: str) -> bool:
+        """Whether ``peer`` gave up the exchange ``key`` (:meth:`abandon`). Default: never known."""
+        return False
 
     def exchange(self, peer: int, payload: bytes, *, key: str, timeout: float | None = None) -> bytes:
         """One payload each way under ``key``: :meth:`open`, one :meth:`Channel.exchange`, close, within
-        ``timeout`` seconds in all (default: :attr:`timeout`).
+        ``timeout`` seconds in all (default: :attr:`join_timeout`).
 
         Raises:
             ExchangeError: the peer is dead, hung, declined, or the exchange did not finish within ``timeout``.
         """
-        timeout = self.timeout if timeout is None else timeout
+        timeout = self.join_timeout if timeout is None else timeout
 
         def run() -> bytes:
             channel = self.open(peer, key=key, timeout=timeout)
@@ -323,9 +175,6 @@ class Transport(abc.ABC):
                 channel.close()
 
         return call_with_deadline(run, timeout, f"exchange {key} with rank {peer}")
-
-    def prepare(self, peer: int, *, key: str, timeout: float) -> None:  # noqa: B027 - optional hook
-        """Optionally start setting up a later :meth:`open` with ``peer`` under ``key`` (default: nothing)."""
 
     @abc.abstractmethod
     def all_gather(self, payload: bytes, *, key: str, timeout: float) -> list[bytes]:
@@ -340,8 +189,16 @@ class Transport(abc.ABC):
         flat.copy_((total / len(frames)).to(flat.dtype))
 
     def close(self) -> None:
-        """Release resources; a closed transport must not be used again (nothing to do by default)."""
-        return None
+        """Release resources; a closed transport must not be used again."""
+        self.membership.close()
+
+
+class _Pending:
+    """One exchange being set up (prepared, or being opened): its job and the event that stops it."""
+
+    def __init__(self) -> None:
+        self.cancel = threading.Event()
+        self.job: Background | None = None
 
 
 class DistributedTransport(Transport):
@@ -351,7 +208,11 @@ class DistributedTransport(Transport):
         process_group: the group whose members gossip (default: the default group). Gossip ranks are ranks in
             this group. Works under ``torchrun``, a plain ``init_process_group`` with any init method, and with a
             user-supplied group. Payloads always travel over Gloo on CPU, so CUDA/NCCL jobs work too.
-        timeout: default per-exchange timeout in seconds.
+        timeout: shorthand for ``join_timeout`` and ``collective_timeout`` (seconds).
+        join_timeout: seconds a peer may take to arrive for an exchange (default
+            :attr:`FGDiLoCoConfig.join_timeout`).
+        collective_timeout: seconds one collective of the exact topology may take.
+        liveness: heartbeat silence (seconds) after which a peer is taken for dead or hung.
         exact: also build a Gloo group over all members for the exact-average topology (collective: every member
             must construct the transport).
         collective_group: an already-built Gloo group over the same ranks as ``process_group`` to run the exact
@@ -359,16 +220,40 @@ class DistributedTransport(Transport):
             :attr:`fgdiloco.ReplicaMesh.gossip_group`). Needed when several transports are built over different
             groups (one per pipeline stage): ``new_group`` is collective over the whole default group, so calling it
             for one's own stage only fails to connect.
+        membership: an already-built membership on its own store (an elastic job:
+            :class:`fgdiloco.elastic.ElasticMembership`); then there is no process group and no collective, and
+            ``process_group``, ``exact`` and ``collective_group`` must be left out.
 
-    Construction is collective over ``process_group`` (a broadcast of a run nonce, so stale keys in a reused store
+    Construction over a process group is collective (a broadcast of a run nonce, so stale keys in a reused store
     can never match, and optionally a ``new_group``).
 
     Raises:
         ValueError: a ``collective_group`` over other ranks than ``process_group``, or not on Gloo.
+        RuntimeError: ``torch.distributed`` is not initialised (and no ``membership`` is given).
     """
 
-    def __init__(self, process_group: dist.ProcessGroup | None = None, *, timeout: float = 60.0,
-                 exact: bool = False, collective_group: dist.ProcessGroup | None = None):
+    def __init__(self, process_group: dist.ProcessGroup | None = None, *, timeout: float | None = None,
+                 join_timeout: float | None = None, collective_timeout: float | None = None,
+                 liveness: float | None = None, exact: bool = False,
+                 collective_group: dist.ProcessGroup | None = None, membership: Membership | None = None):
+        d = FGDiLoCoConfig.build(**{k: v for k, v in (("timeout", timeout), ("join_timeout", join_timeout),
+                                                      ("collective_timeout", collective_timeout),
+                                                      ("liveness", liveness)) if v is not None})
+        self.join_timeout = d.join_timeout
+        self.collective_timeout = d.collective_timeout
+        self._pending: dict[tuple[int, str], _Pending] = {}
+        self._pending_lock = threading.Lock()
+        self._coll_lock = threading.Lock()
+        self._coll = None
+        if membership is not None:
+            if process_group is not None or exact or collective_group is not None:
+                raise ValueError("a transport over a membership of its own has no process group: drop "
+                                 "process_group, exact and collective_group")
+            self.group = None
+            self.membership = membership
+            self.rank, self.world_size = membership.rank, membership.world_size
+            self.global_ranks = list(range(self.world_size))
+            return
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: call init_process_group (or use torchrun) "
                                "before building a DistributedTransport")
@@ -376,7 +261,6 @@ class DistributedTransport(Transport):
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.global_ranks = dist.get_process_group_ranks(self.group)
-        self.timeout = float(timeout)
         if collective_group is not None:
             if dist.get_process_group_ranks(collective_group) != self.global_ranks:
                 raise ValueError("collective_group must hold the same ranks as process_group, in the same order")
@@ -384,272 +268,57 @@ class DistributedTransport(Transport):
                 raise ValueError(f"collective_group must be a Gloo group, got backend "
                                  f"{dist.get_backend(collective_group)!r}")
         nonce = torch.tensor([secrets.randbits(62) if self.rank == 0 else 0], dtype=torch.int64)
-        backend = dist.get_backend(self.group)
-        if backend == "nccl":
+        if dist.get_backend(self.group) == "nccl":
             nonce = nonce.cuda()
         dist.broadcast(nonce, src=self.global_ranks[0], group=self.group)
         self._coll = collective_group
         if exact and self.world_size > 1 and collective_group is None:
             self._coll = dist.new_group(self.global_ranks, backend="gloo",
-                                        timeout=datetime.timedelta(seconds=self.timeout))
-        self._start(dist.distributed_c10d._get_default_store(), f"fgdiloco/{int(nonce.item()):x}", elastic=False)
+                                        timeout=datetime.timedelta(seconds=self.collective_timeout))
+        self.membership = StoreMembership(dist.distributed_c10d._get_default_store(), self.rank, self.world_size,
+                                          f"fgdiloco/{int(nonce.item()):x}", liveness=d.liveness)
 
-    @classmethod
-    def over_store(cls, store: dist.Store, rank: int, world_size: int, *, namespace: str,
-                   timeout: float = 60.0) -> DistributedTransport:
-        """A transport for an elastic job (:mod:`fgdiloco.elastic`): no process group, no collective; the
-        workers are the ``world_size`` *slots* of the job and meet on ``store`` (a ``TCPStore`` that no worker
-        hosts) under ``namespace``. The exact topology is not available (it needs a group).
+    # ------------------------------------------------------------------ meeting a peer
+    def _check_peer(self, peer: int) -> None:
+        if peer == self.rank or not 0 <= peer < self.world_size:
+            raise ValueError(f"peer must be another rank in [0, {self.world_size}), got {peer}")
 
-        Membership: each construction is a new *incarnation* of the slot (a counter in the store); every
-        exchange key names both sides' incarnations, so a restarted worker never meets what its dead
-        predecessor left in the store, and a peer waiting for the dead one stops as soon as the new one
-        registers. A slot that never registered is *absent*: exchanges with it are skipped at once.
+    def _stores(self) -> Any:
+        return self.membership.stores.lease()  # type: ignore[attr-defined]
 
-        Raises:
-            ValueError: ``rank`` not in ``[0, world_size)``, ``world_size`` < 1, or an empty ``namespace``.
-        """
-        if not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size must be an int >= 1 (the job's worker slots), got {world_size!r}")
-        if not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
-        if not namespace:
-            raise ValueError("namespace must be a non-empty string")
-        self = cls.__new__(cls)
-        self.group = None
-        self.rank, self.world_size, self.global_ranks = rank, world_size, list(range(world_size))
-        self.timeout = float(timeout)
-        self._coll = None
-        self._start(store, f"fgdiloco/{namespace}", elastic=True)
-        return self
+    def _pending_for(self, peer: int, key: str) -> _Pending:
+        with self._pending_lock:
+            return self._pending.setdefault((peer, key), _Pending())
 
-    def _start(self, store: dist.Store, namespace: str, *, elastic: bool) -> None:
-        """The part of construction shared by both kinds: store connections, membership and heartbeat."""
-        self.namespace = namespace
-        self.elastic = elastic
-        self._stores = _StorePool(store)
-        self._coll_lock = threading.Lock()
-        self._prepared: dict[tuple[int, str], tuple[Background, threading.Event]] = {}
-        self._prepared_lock = threading.Lock()
-        # liveness: our heartbeat, and what we last saw of each peer's (value, when we saw it change)
-        self._seen: dict[int, tuple[int, float]] = {}
-        self._seen_lock = threading.Lock()
-        self._left: set[int] = set()
-        self._incarnations: dict[int, int] = {}  # the incarnation of each peer our exchange keys name
-        self._wants_seen = 0  # the store's count of state requests when this worker last looked
-        self._stop = threading.Event()
-        beat_store = self._stores.acquire()
-        self.incarnation = beat_store.add(self._incarnation_key(self.rank), 1)
-        if beat_store.add(self._left_key(self.rank), 0) > 0:  # a predecessor's departure notice is not ours
-            beat_store.set(self._left_key(self.rank), "0")
-        self._published = beat_store.add(self._round_key(self.rank), 0)
-        beat_store.add(self._alive_key(self.rank), 1)
-        self._heartbeat = threading.Thread(target=self._beat, args=(beat_store,), name="fgdiloco-heartbeat",
-                                           daemon=True)
-        self._heartbeat.start()
-
-    def _alive_key(self, rank: int) -> str:
-        return f"{self.namespace}/alive/{rank}"
-
-    def _left_key(self, rank: int) -> str:
-        return f"{self.namespace}/left/{rank}"
-
-    def _incarnation_key(self, rank: int) -> str:
-        return f"{self.namespace}/incarnation/{rank}"
-
-    def _round_key(self, rank: int) -> str:
-        return f"{self.namespace}/round/{rank}"
-
-    def _incarnation_of(self, peer: int) -> int:
-        with self._seen_lock:
-            return self._incarnations.get(peer, 1)
-
-    def returned(self, peer: int) -> bool:
-        if not self.elastic:  # a process group's members never come back as new processes
-            return False
-        with self._stores.lease() as store:
-            now = store.add(self._incarnation_key(peer), 0)
-        with self._seen_lock:
-            before = self._incarnations.get(peer)
-            self._incarnations[peer] = now
-            if before is None or now == before:
-                return False
-            self._left.discard(peer)
-            self._seen.pop(peer, None)
-        return True
-
-    def publish_round(self, outer_round: int) -> None:
-        if not self.elastic:
-            return
-        with self._stores.lease() as store:
-            self._published = store.add(self._round_key(self.rank), int(outer_round) - self._published)
-
-    # A joiner's state comes through the store: a request per incarnation, answered once (compare_set claim).
-    def _want_key(self, rank: int) -> str:
-        return f"{self.namespace}/want/{rank}"
-
-    def _state_key(self, rank: int, incarnation: int) -> str:
-        return f"{self.namespace}/state/{rank}.{incarnation}"
-
-    def request_state(self) -> None:
-        if not self.elastic:
-            return
-        with self._stores.lease() as store:
-            store.set(self._want_key(self.rank), str(self.incarnation))
-            store.add(f"{self.namespace}/wants", 1)
-
-    def state_requests(self) -> list[tuple[int, int]]:
-        if not self.elastic:
-            return []
-        with self._stores.lease() as store:
-            wants = store.add(f"{self.namespace}/wants", 0)
-            if wants == self._wants_seen:
-                return []
-            self._wants_seen = wants
-            out = []
-            for r in range(self.world_size):
-                if r != self.rank and store.check([self._want_key(r)]):
-                    inc = int(store.get(self._want_key(r)))
-                    if not store.check([self._state_key(r, inc) + "/claim"]):
-                        out.append((r, inc))
-            return out
-
-    def offer_state(self, peer: int, incarnation: int, payload: bytes) -> bool:
-        if not self.elastic:
-            return False
-        with self._stores.lease() as store:
-            key = self._state_key(peer, incarnation)
-            mine = str(self.rank).encode()
-            if store.compare_set(key + "/claim", "", mine) != mine:
-                return False
-            store.set(key, payload)
-            return True
-
-    def await_state(self, timeout: float) -> bytes | None:
-        if not self.elastic:
-            return None
-        with self._stores.lease() as store:
-            key, t0 = self._state_key(self.rank, self.incarnation), time.monotonic()
-            while not store.check([key]):
-                if time.monotonic() - t0 > timeout or not self._anyone_there(store, t0):
-                    return None
-                time.sleep(_POLL_SECONDS)
-            return store.get(key)
-
-    def peer_round(self, peer: int) -> int | None:
-        if not self.elastic:
-            return None
-        with self._stores.lease() as store:
-            return store.add(self._round_key(peer), 0)
-
-    def _anyone_there(self, store: dist.Store, since: float) -> bool:
-        """Whether some other slot holds a live worker (joined, not departed, heartbeat moving): one that may
-        still answer a state request."""
-        return any(self._peer_gone(store, r, since) is None for r in range(self.world_size) if r != self.rank)
-
-    def _slot_rounds(self, *, departed: bool) -> dict[int, int]:
-        """The published round of every other slot that ever held a worker; ``departed``: with those that left."""
-        if not self.elastic:
-            return {}
-        with self._stores.lease() as store:
-            return {r: store.add(self._round_key(r), 0) for r in range(self.world_size)
-                    if r != self.rank and store.add(self._alive_key(r), 0) > 0
-                    and (departed or store.add(self._left_key(r), 0) == 0)}
-
-    def live_round(self) -> int | None:
-        rounds = self._slot_rounds(departed=True)
-        return max(rounds.values()) if rounds else None
-
-    def peer_rounds(self) -> dict[int, int]:
-        return self._slot_rounds(departed=False)
-
-    def _beat(self, store: dist.Store) -> None:
-        while not self._stop.wait(HEARTBEAT_SECONDS):
-            with contextlib.suppress(Exception):  # a store that is slow or gone: try again at the next beat
-                store.add(self._alive_key(self.rank), 1)
-
-    def _peer_gone(self, store: dist.Store, peer: int, since: float, key: str | None = None) -> str | None:
-        """Why ``peer`` will not come (it left, abandoned ``key``, or its heartbeat stood still for
-        ``LIVENESS_SECONDS``), or None. ``since`` is when we started waiting: a peer never seen before gets
-        ``LIVENESS_SECONDS`` from then."""
-        if peer in self._left:
-            return "left"
-        if store.add(self._left_key(peer), 0) > 0:
-            self._left.add(peer)
-            return "left"
-        if key is not None and store.add(f"{self._prefix(peer, key)}/abandoned/{peer}", 0) > 0:
-            return "abandoned"
-        beat = store.add(self._alive_key(peer), 0)
-        if self.elastic:
-            if beat == 0:
-                return "absent"
-            if store.add(self._incarnation_key(peer), 0) != self._incarnation_of(peer):
-                return "restarted"
-        limit = SUSPECT_LIVENESS_SECONDS if store.add(self._suspect_key(peer), 0) > 0 else LIVENESS_SECONDS
-        now = time.monotonic()
-        with self._seen_lock:
-            value, seen = self._seen.get(peer, (None, since))
-            if value != beat:
-                self._seen[peer] = (beat, now)
-                return None
-        if now - seen > limit:
-            return f"no heartbeat for {now - seen:.1f} s"
-        return None
-
-    def _suspect_key(self, rank: int) -> str:
-        return f"{self.namespace}/suspect/{rank}"
-
-    def abandon(self, peer: int, *, key: str, suspect: bool = False) -> None:
-        self._check_peer(peer)
-        with self._stores.lease() as store:
-            prefix = self._prefix(peer, key)
-            store.compare_set(f"{prefix}/decision", "", _HELLO_SKIP)
-            store.add(f"{prefix}/abandoned/{self.rank}", 1)
-            if suspect:
-                store.add(self._suspect_key(peer), 1)
-
-    def has_left(self, peer: int) -> bool:
-        return peer in self._left
-
-    def peer_gone(self, peer: int, since: float, key: str | None = None) -> str | None:
-        with self._stores.lease() as store:
-            return self._peer_gone(store, peer, since, key)
-
-    def _prefix(self, peer: int, key: str) -> str:
-        if self.elastic:  # both sides' incarnations: a new process never meets its predecessor's exchanges
-            (a, ia), (b, ib) = sorted(((self.rank, self.incarnation), (peer, self._incarnation_of(peer))))
-            return f"{self.namespace}/{key}/{a}.{ia}-{b}.{ib}"
-        a, b = sorted((self.rank, peer))
-        return f"{self.namespace}/{key}/{a}-{b}"
-
-    def _build(self, peer: int, key: str, timeout: float, cancel: threading.Event | None = None) -> tuple[Any, int]:
-        """Post our hello, wait for the peer's (polling its departure notice and heartbeat between short waits),
-        agree on the decision, then build the private 2-rank Gloo group (both sides do the same)."""
-        with self._stores.lease() as store:
-            prefix = self._prefix(peer, key)
+    def _build(self, peer: int, key: str, timeout: float, cancel: threading.Event) -> tuple[Any, int]:
+        """Post our hello, wait for the peer's (or for ``cancel``: this side gave up), agree on the decision, then
+        build the private 2-rank Gloo group (both sides do the same). Only waits: liveness is the supervisor's."""
+        with self._stores() as store:
+            prefix = self.membership.prefix(peer, key)
             store.set(f"{prefix}/hello/{self.rank}", _HELLO_GO)
             theirs = f"{prefix}/hello/{peer}"
-            t0 = time.monotonic()
-            poll = 0.005  # grows to _POLL_SECONDS: a peer that is already there is met within milliseconds
+            t_end = time.monotonic() + timeout
+            poll = _HELLO_POLL[0]  # a peer that is already there is met within milliseconds
             while True:
-                if cancel is not None and cancel.is_set():
+                if cancel.is_set():
                     if store.compare_set(f"{prefix}/decision", "", _HELLO_SKIP) != _HELLO_GO:
                         raise _Discarded(f"{key} with rank {peer} discarded")
                     break  # the peer committed first: build the group (it is there), the caller drops it
-                gone = self._peer_gone(store, peer, t0, key)
-                if gone is not None:
-                    raise gone_error(gone, f"{key} with rank {peer}")
-                left = timeout - (time.monotonic() - t0)
+                left = t_end - time.monotonic()
                 if left <= 0:
                     raise ExchangeError(f"rank {peer} did not arrive for {key} within {timeout:.1f} s")
-                # check() and a local wait, not store.wait with a short timeout: a timed-out TCPStore wait logs a
+                # check() and a local sleep, not store.wait with a short timeout: a timed-out TCPStore wait logs a
                 # c10d warning every time
                 if not store.check([theirs]):
                     time.sleep(min(poll, left))
-                    poll = min(2 * poll, _POLL_SECONDS)
+                    poll = min(2 * poll, _HELLO_POLL[1])
                     continue
                 if store.get(theirs) == _HELLO_SKIP:
                     raise PeerDeclined(f"rank {peer} declined {key}")
+                if self.membership.has_left(peer) or self.membership.gone(peer, time.monotonic()) == "left":
+                    # its hello predates its departure: a group with it would wait out its rendezvous
+                    store.compare_set(f"{prefix}/decision", "", _HELLO_SKIP)
+                    raise PeerLeft(f"rank {peer} has left (departure notice) before {key}")
                 if store.compare_set(f"{prefix}/decision", "", _HELLO_GO) != _HELLO_GO:
                     raise PeerDeclined(f"rank {peer} discarded {key}")
                 break
@@ -666,115 +335,128 @@ class DistributedTransport(Transport):
         needed after all is given up with :meth:`discard`.
         """
         self._check_peer(peer)
-        timeout = self.timeout if timeout is None else timeout
-        cancel = threading.Event()
-        job = Background(lambda: self._build(peer, key, timeout, cancel), f"prepare {key} with rank {peer}")
-        with self._prepared_lock:
-            self._prepared[(peer, key)] = (job, cancel)
+        timeout = self.join_timeout if timeout is None else timeout
+        pending = self._pending_for(peer, key)
+        pending.job = Background(lambda: self._build(peer, key, timeout, pending.cancel),
+                                 f"prepare {key} with rank {peer}")
 
     def discard(self, peer: int, *, key: str) -> None:
         """Give up a prepared exchange: before the peer committed, its :meth:`open` fails at once
         (:class:`PeerDeclined`); after, the pair group is built and dropped, so the peer's first operation on it
         meets a closed connection. An exchange that was never prepared is declined."""
         self._check_peer(peer)
-        with self._prepared_lock:
-            entry = self._prepared.pop((peer, key), None)
-        if entry is None:
+        with self._pending_lock:
+            pending = self._pending.pop((peer, key), None)
+        if pending is None or pending.job is None:
             self.decline(peer, key=key)
             return
-        job, cancel = entry
-        cancel.set()
-        with contextlib.suppress(Exception):  # whatever it ended with, the exchange is not used
-            job.result()
+        pending.cancel.set()
+        pending.job.settle()  # whatever it ended with, the exchange is not used
 
-    def leave(self) -> None:
-        """Post this worker's departure notice (``FGDiLoCo.close`` does): peers waiting for it, or about to,
-        fail their exchanges with it at once."""
-        with self._stores.lease() as store:
-            store.add(self._left_key(self.rank), 1)
-
-    def close(self) -> None:
-        """Let every prepared pair group finish setting up (each bounded by its timeout) and release them; stop
-        the heartbeat.
-
-        A daemon thread still inside Gloo when the interpreter exits aborts the process ("terminate called without
-        an active exception"), so this runs before exit (``FGDiLoCo.close``, also called at exit).
-        """
-        with self._prepared_lock:
-            pending, self._prepared = list(self._prepared.values()), {}
-        for job, _ in pending:
-            with contextlib.suppress(Exception):  # a failed preparation has nothing left to release
-                job.result()
-        self._stop.set()
-        if self._heartbeat is not threading.current_thread():  # not inside a store call when the process exits
-            self._heartbeat.join(timeout=2 * HEARTBEAT_SECONDS + 5.0)
-
-    def _check_peer(self, peer: int) -> None:
-        if peer == self.rank or not 0 <= peer < self.world_size:
-            raise ValueError(f"peer must be another rank in [0, {self.world_size}), got {peer}")
-
-    def open(self, peer: int, *, key: str, timeout: float | None = None, deadline: float | None = None) -> Channel:
+    def open(self, peer: int, *, key: str, timeout: float | None = None, deadline: float | None = None,
+             supervised: bool = False) -> Channel:
         self._check_peer(peer)
-        timeout = self.timeout if timeout is None else timeout
+        timeout = self.join_timeout if timeout is None else timeout
         deadline = timeout if deadline is None else deadline
-        with self._prepared_lock:
-            entry = self._prepared.pop((peer, key), None)
-        if entry is not None:
-            try:
-                pg, other = entry[0].result(timeout)
-            except ExchangeError:
-                raise
-            except Exception as err:  # noqa: BLE001 - every failure to meet the peer is an ExchangeError
-                raise ExchangeError(f"meeting rank {peer} for {key} failed: {type(err).__name__}: {err}") from err
-            with self._stores.lease() as store:  # a peer that left after the group was prepared dropped its end
-                if self._peer_gone(store, peer, time.monotonic()) == "left":
-                    raise PeerLeft(f"rank {peer} has left (departure notice) before {key}")
-        else:
-            pg, other = self._build(peer, key, timeout)
+        pending = self._pending_for(peer, key)
+        if pending.job is None:  # not prepared: meet the peer now
+            pending.job = Background(lambda: self._build(peer, key, timeout, pending.cancel),
+                                     f"meet rank {peer} for {key}")
+        try:
+            if supervised:
+                pg, other = pending.job.result()
+            else:
+                pg, other = supervise(pending.job, join_deadline=timeout, exchange_deadline=timeout, met=[],
+                                      watch=lambda t0: self._watch(peer, key, t0), what=f"{key} with rank {peer}")
+        except ExchangeError:
+            if not supervised:
+                pending.cancel.set()
+            raise
+        except Exception as err:  # noqa: BLE001 - every failure to meet the peer is an ExchangeError
+            raise ExchangeError(f"meeting rank {peer} for {key} failed: {type(err).__name__}: {err}") from err
+        finally:
+            with self._pending_lock:
+                self._pending.pop((peer, key), None)
+        if self.membership.gone(peer, time.monotonic()) == "left":  # it dropped its end of a prepared group
+            raise PeerLeft(f"rank {peer} has left (departure notice) before {key}")
         return _GlooChannel(pg, other, peer, key, deadline)
+
+    def _watch(self, peer: int, key: str, since: float) -> None:
+        """Raise when ``peer`` will not come to ``key`` (the check an unsupervised :meth:`open` polls)."""
+        gone = "abandoned" if self.abandoned(peer, key) else self.membership.gone(peer, since)
+        if gone is not None:
+            raise gone_error(gone, f"{key} with rank {peer}")
 
     def decline(self, peer: int, *, key: str) -> None:
         self._check_peer(peer)
-        with self._stores.lease() as store:
-            prefix = self._prefix(peer, key)
+        with self._stores() as store:
+            prefix = self.membership.prefix(peer, key)
             store.compare_set(f"{prefix}/decision", "", _HELLO_SKIP)
             store.set(f"{prefix}/hello/{self.rank}", _HELLO_SKIP)
 
+    def abandon(self, peer: int, *, key: str, suspect: bool = False) -> None:
+        self._check_peer(peer)
+        with self._pending_lock:
+            pending = self._pending.get((peer, key))
+        if pending is not None:  # our own set-up of it stops waiting
+            pending.cancel.set()
+        with self._stores() as store:
+            prefix = self.membership.prefix(peer, key)
+            store.compare_set(f"{prefix}/decision", "", _HELLO_SKIP)
+            store.add(f"{prefix}/abandoned/{self.rank}", 1)
+        if suspect:
+            self.membership.suspect(peer)
+
+    def abandoned(self, peer: int, key: str) -> bool:
+        with self._stores() as store:
+            return store.add(f"{self.membership.prefix(peer, key)}/abandoned/{peer}", 0) > 0
+
+    def close(self) -> None:
+        """Let every exchange being set up finish (each bounded by its timeout) and release it; stop the
+        membership's heartbeat. A daemon thread still inside Gloo when the interpreter exits aborts the process, so
+        this runs before exit (``FGDiLoCo.close``, also called at exit)."""
+        with self._pending_lock:
+            pending, self._pending = list(self._pending.values()), {}
+        for p in pending:
+            if p.job is not None:
+                p.job.settle()
+        super().close()
+
+    # ------------------------------------------------------------------ collectives (the exact topology)
+    def _collective(self, run: Callable[[], Any], key: str, timeout: float | None) -> Any:
+        if self._coll is None:
+            raise RuntimeError("this transport was built without exact=True")
+        timeout = self.collective_timeout if timeout is None else timeout
+
+        def locked() -> Any:
+            with self._coll_lock:
+                return run()
+
+        return call_with_deadline(locked, timeout, key)
+
     def all_gather(self, payload: bytes, *, key: str, timeout: float | None = None) -> list[bytes]:
-        timeout = self.timeout if timeout is None else timeout
         if self.world_size == 1:
             return [payload]
-        if self._coll is None:
-            raise RuntimeError("this transport was built without exact=True")
 
         def run() -> list[bytes]:
-            with self._coll_lock:
-                sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-                dist.all_gather(sizes, torch.tensor([len(payload)], dtype=torch.int64), group=self._coll)
-                n = max(int(s.item()) for s in sizes)
-                if n > MAX_PAYLOAD_BYTES:
-                    raise ExchangeError(f"a peer announced a payload of {n} bytes")
-                mine = torch.zeros(n, dtype=torch.uint8)
-                mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-                outs = [torch.empty(n, dtype=torch.uint8) for _ in range(self.world_size)]
-                dist.all_gather(outs, mine, group=self._coll)
+            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+            dist.all_gather(sizes, torch.tensor([len(payload)], dtype=torch.int64), group=self._coll)
+            n = max(int(s.item()) for s in sizes)
+            if n > MAX_PAYLOAD_BYTES:
+                raise ExchangeError(f"a peer announced a payload of {n} bytes")
+            mine = torch.zeros(n, dtype=torch.uint8)
+            mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            outs = [torch.empty(n, dtype=torch.uint8) for _ in range(self.world_size)]
+            dist.all_gather(outs, mine, group=self._coll)
             return [o[: int(s.item())].numpy().tobytes() for o, s in zip(outs, sizes)]
 
-        return call_with_deadline(run, timeout, f"all_gather {key}")
+        return self._collective(run, f"all_gather {key}", timeout)
 
     def all_reduce_mean(self, flat: torch.Tensor, *, key: str, timeout: float | None = None) -> None:
-        timeout = self.timeout if timeout is None else timeout
         if self.world_size == 1:
             return
-        if self._coll is None:
-            raise RuntimeError("this transport was built without exact=True")
         work = flat.detach().to("cpu", torch.float32, copy=True)
-
-        def run() -> None:
-            with self._coll_lock:
-                dist.all_reduce(work, group=self._coll)
-
-        call_with_deadline(run, timeout, f"all_reduce {key}")
+        self._collective(lambda: dist.all_reduce(work, group=self._coll), f"all_reduce {key}", timeout)
         flat.copy_((work / self.world_size).to(device=flat.device, dtype=flat.dtype))
 
 
@@ -870,8 +552,11 @@ class LocalTransport(Transport):
         self.hub = hub
         self.rank = rank
         self.world_size = hub.world_size
+        self.membership = Membership(rank, hub.world_size)
 
-    def open(self, peer: int, *, key: str, timeout: float = 60.0, deadline: float | None = None) -> Channel:
+    def open(self, peer: int, *, key: str, timeout: float | None = None, deadline: float | None = None,
+             supervised: bool = False) -> Channel:
+        timeout = self.join_timeout if timeout is None else timeout
         if self.rank in self.hub.dead:
             raise ExchangeError("this worker is marked dead")
         gate = self.hub.gate(key) if self.hub.gate else None
@@ -885,9 +570,11 @@ class LocalTransport(Transport):
     def decline(self, peer: int, *, key: str) -> None:
         self.hub._put(f"{key}/hello", self.rank, peer, _HELLO_SKIP)
 
-    def all_gather(self, payload: bytes, *, key: str, timeout: float = 60.0) -> list[bytes]:
+    def all_gather(self, payload: bytes, *, key: str, timeout: float | None = None) -> list[bytes]:
+        timeout = self.join_timeout if timeout is None else timeout
         for dst in range(self.world_size):
             if dst != self.rank:
                 self.hub._put(key, self.rank, dst, payload)
         return [payload if src == self.rank else self.hub._take(key, src, self.rank, timeout)
                 for src in range(self.world_size)]
+

@@ -56,6 +56,10 @@ def library_default(cls_path: str, argument: str) -> Any:
     with :func:`inspect.signature`, so the command's defaults follow the library's."""
     import importlib
 
+    if cls_path == "outer.FGDiLoCo":  # its settings live in FGDiLoCoConfig
+        from ..config import FGDiLoCoConfig
+
+        return getattr(FGDiLoCoConfig, {"timeout": "join_timeout"}.get(argument, argument))
     module, _, name = f"fgdiloco.{cls_path}".rpartition(".")
     return inspect.signature(getattr(importlib.import_module(module), name)).parameters[argument].default
 

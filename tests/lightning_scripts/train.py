@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
         "strategy": type(trainer.strategy).__name__,
         "fgdiloco_kwargs": trainer.strategy.fgdiloco_kwargs,
         "rounds": fgd.round,
-        "inner_steps_in_round": fgd._steps_in_round,
+        "inner_steps_in_round": fgd.outer.steps_in_round,
         "global_step": trainer.global_step,
         "round_params": recorder.round_params,
         "final_params": flat_params(model),

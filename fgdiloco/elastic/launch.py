@@ -1,33 +1,5 @@
-"""Elastic jobs: workers that die, hang, come back and join without stopping anyone (DESIGN §6).
-
-torchelastic (``torchrun``) restarts or fails its workers as one group: when one local worker dies, the agent stops
-the others. Gossip needs no group, so in an elastic job **each worker is its own torchrun job** (with
-``--max-restarts``), and the workers meet on a **gossip store that no worker hosts**: a ``TCPStore`` served by
-``fgdiloco store`` (or by ``fgdiloco launch``, which starts the workers too). torchft does the same for DiLoCo (one
-torchrun job per replica group and a Lighthouse); fgdiloco needs no quorum, only membership on the store:
-
-* **slots**: the job has ``FGDILOCO_WORKERS`` worker slots; worker ``FGDILOCO_WORKER`` takes one. The gossip schedule
-  is the same random matching over the slots on every worker (:class:`~fgdiloco.gossip.Topology`), so it stays
-  doubly stochastic over whoever is live: a worker whose partner slot is empty (never joined, or departed with a
-  notice) skips that gossip round at once; a partner that died costs one liveness timeout (5 s) and then back-off.
-* **incarnations**: each process that takes a slot is a new incarnation (a counter in the store). Exchange keys name
-  both sides' incarnations, so a restarted worker never meets what its dead predecessor left behind, and its peers
-  reset their back-off for it as soon as they see the new incarnation.
-* **the live round**: every worker publishes the outer round it starts. A restarted worker (from its own checkpoint,
-  or fresh) or one that hung and came back joins the job at the newest round a peer has started
-  (:meth:`fgdiloco.FGDiLoCo.rejoin`), and is mixed with again at once.
-
-A worker's script needs one change: ``FGDiLoCo(..., elastic=True)`` (settings come from the environment the
-launcher sets). Launch on one machine::
-
-    fgdiloco launch --workers 4 --max-restarts 3 train.py --my-args
-
-or by hand, on several machines::
-
-    fgdiloco store --port 29400                                   # on one machine (no worker)
-    FGDILOCO_STORE=host:29400 FGDILOCO_WORKERS=8 FGDILOCO_WORKER=k torchrun --standalone --nproc-per-node 1 \\
-        --max-restarts 3 train.py                                 # once per worker k = 0..7, anywhere
-"""
+"""Starting an elastic job: its settings from the environment, a worker's :func:`connect` to the gossip store,
+and :func:`launch` of local workers, each its own ``torchrun`` job (see :mod:`fgdiloco.elastic`)."""
 
 from __future__ import annotations
 
@@ -40,13 +12,17 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
-from .gossip.transport import DistributedTransport
+from ..config import FGDiLoCoConfig
+from ..gossip.transport import DistributedTransport
+from .membership import ElasticMembership
+from .store import GossipStore
 
-__all__ = ["STORE_ENV", "WORKER_ENV", "WORKERS_ENV", "JOB_ENV", "MIN_WORKERS_ENV", "GossipStore", "connect",
-           "launch", "settings"]
+__all__ = ["STORE_ENV", "WORKER_ENV", "WORKERS_ENV", "JOB_ENV", "MIN_WORKERS_ENV", "connect", "launch", "settings",
+           "torchrun_command"]
 
 log = logging.getLogger("fgdiloco")
 
@@ -110,39 +86,13 @@ def settings(address: str | None = None, worker: int | None = None, workers: int
     return {"host": host, "port": port, "worker": k, "workers": n, "job": name, "min_workers": m}
 
 
-class GossipStore:
-    """The job's gossip store: a ``torch.distributed.TCPStore`` served by this process, which is not a worker,
-    so no worker's death takes it down. ``fgdiloco store`` runs one until it is stopped; ``fgdiloco launch`` and
-    ``fgdiloco pretrain`` run one for their workers.
-
-    Args:
-        host: interface to listen on (``"0.0.0.0"``: all, for workers on other machines).
-        port: TCP port (0: one the OS picks; see :attr:`port`).
-    """
-
-    def __init__(self, host: str = "0.0.0.0", port: int = 0):
-        if not isinstance(port, int) or not 0 <= port < 65536:
-            raise ValueError(f"port must be an int in [0, 65536), got {port!r}")
-        self.host = host
-        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=60), use_libuv=True)
-        self.port: int = self.store.port
-
-    @property
-    def address(self) -> str:
-        """``HOST:PORT`` for workers on this machine (``FGDILOCO_STORE``)."""
-        return f"{'localhost' if self.host in ('0.0.0.0', '::', '') else self.host}:{self.port}"
-
-    def close(self) -> None:
-        """Stop serving (workers still connected see their next store operation fail)."""
-        del self.store
-
-
 def connect(address: str | None = None, worker: int | None = None, workers: int | None = None, *,
-            job: str | None = None, min_workers: int | None = None, timeout: float = 60.0,
-            wait: float = 600.0) -> DistributedTransport:
-    """Join the elastic job on its gossip store; returns this worker's transport
-    (:meth:`DistributedTransport.over_store`; ``FGDiLoCo(elastic=True)`` calls it with its ``timeout``).
+            job: str | None = None, min_workers: int | None = None, timeout: float = FGDiLoCoConfig.join_timeout,
+            liveness: float = FGDiLoCoConfig.liveness, wait: float = 600.0) -> DistributedTransport:
+    """Join the elastic job on its gossip store; returns this worker's transport, over an
+    :class:`~fgdiloco.elastic.ElasticMembership` of its slot (``FGDiLoCo(elastic=True)`` calls it with its
+    ``join_timeout`` and ``liveness``). ``timeout``: seconds to reach the store and for each exchange's peer to
+    arrive.
 
     Arguments default to the environment (:func:`settings`). The first workers wait (at most ``wait`` seconds)
     until ``min_workers`` slots (default: all) have joined, so that no one spends round 0 with an empty partner
@@ -166,12 +116,12 @@ def connect(address: str | None = None, worker: int | None = None, workers: int 
     if agreed != mine:
         raise ValueError(f"workers (${WORKERS_ENV}) is {s['workers']} here but the job {s['job']!r} on this store "
                          f"has {agreed.decode()} slots: every worker of a job must use the same")
-    transport = DistributedTransport.over_store(store, int(s["worker"]), int(s["workers"]), namespace=str(s["job"]),
-                                                timeout=timeout)
-    key = f"{transport.namespace}/incarnation/"
+    membership = ElasticMembership(store, int(s["worker"]), int(s["workers"]), f"fgdiloco/{s['job']}",
+                                   liveness=liveness)
+    transport = DistributedTransport(membership=membership, join_timeout=timeout, liveness=liveness)
     t0, want = time.monotonic(), int(s["min_workers"])
     while True:
-        joined = [r for r in range(int(s["workers"])) if store.add(f"{key}{r}", 0) > 0]
+        joined = membership.joined()
         if len(joined) >= want:
             break
         if time.monotonic() - t0 > wait:
@@ -181,7 +131,7 @@ def connect(address: str | None = None, worker: int | None = None, workers: int 
                                f"(missing slots: {missing[:10]})")
         time.sleep(0.1)
     log.info("fgdiloco: worker %d of %d joined job %r on %s:%d (incarnation %d)", transport.rank,
-             transport.world_size, s["job"], s["host"], s["port"], transport.incarnation)
+             transport.world_size, s["job"], s["host"], s["port"], membership.incarnation)
     return transport
 
 
@@ -190,6 +140,53 @@ def torchrun_command(script: Sequence[str], *, max_restarts: int, monitor_interv
     rendezvous on a free port, so the jobs never meet each other's agents)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=1",
             f"--max-restarts={max_restarts}", f"--monitor-interval={monitor_interval}", *script]
+
+
+def _check_launch(script: Sequence[str], workers: Any, max_restarts: Any, store: str | None, slots: Any,
+                  first_worker: Any) -> int:
+    """Check :func:`launch`'s arguments before anything starts; returns the slot count."""
+    for name, v, low in (("workers", workers, 1), ("max_restarts", max_restarts, 0), ("first_worker", first_worker, 0)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
+    slots = first_worker + workers if slots is None else slots
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < first_worker + workers:
+        raise ValueError(f"slots must be an int >= first_worker + workers = {first_worker + workers}, got {slots!r}")
+    if not script:
+        raise ValueError("script must name the worker's script (train.py ...) or module (-m pkg.mod ...)")
+    if store is not None:
+        _parse_address(store, "store")
+    if script[0] != "-m" and not Path(script[0]).is_file():  # else every worker fails and restarts for nothing
+        raise ValueError(f"script {script[0]!r} is not a file (give the worker's script, or -m pkg.mod)")
+    return slots
+
+
+def _run_workers(script: Sequence[str], slots: range, base: Mapping[str, str], max_restarts: int,
+                 logs: Path | None) -> list[int]:
+    """Start one torchrun job per slot and wait for all of them; their exit codes. Ctrl-C reaches every agent."""
+    procs: list[subprocess.Popen[bytes]] = []
+    files = []
+    try:
+        for k in slots:
+            out = open(logs / f"worker{k}.log", "ab") if logs is not None else None  # noqa: SIM115 - closed below
+            files.append(out)
+            procs.append(subprocess.Popen(torchrun_command(script, max_restarts=max_restarts),
+                                          env={**base, WORKER_ENV: str(k)}, stdout=out,
+                                          stderr=subprocess.STDOUT if out is not None else None))
+        return [p.wait() for p in procs]
+    except KeyboardInterrupt:
+        for p in procs:  # the terminal sent SIGINT to the whole group; make sure every agent hears it
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        raise
+    finally:
+        for f in files:
+            if f is not None:
+                f.close()
 
 
 def launch(script: Sequence[str], workers: int, *, max_restarts: int = 3, store: str | None = None,
@@ -211,18 +208,7 @@ def launch(script: Sequence[str], workers: int, *, max_restarts: int = 3, store:
     Raises:
         ValueError: an argument out of range (named), or a script that is not a file.
     """
-    for name, v, low in (("workers", workers, 1), ("max_restarts", max_restarts, 0), ("first_worker", first_worker, 0)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
-    slots = first_worker + workers if slots is None else slots
-    if isinstance(slots, bool) or not isinstance(slots, int) or slots < first_worker + workers:
-        raise ValueError(f"slots must be an int >= first_worker + workers = {first_worker + workers}, got {slots!r}")
-    if not script:
-        raise ValueError("script must name the worker's script (train.py ...) or module (-m pkg.mod ...)")
-    if store is not None:
-        _parse_address(store, "store")
-    if script[0] != "-m" and not Path(script[0]).is_file():  # else every worker fails and restarts for nothing
-        raise ValueError(f"script {script[0]!r} is not a file (give the worker's script, or -m pkg.mod)")
+    slots = _check_launch(script, workers, max_restarts, store, slots, first_worker)
     served = GossipStore() if store is None else None
     address = served.address if served is not None else store
     base = dict(os.environ)
@@ -239,30 +225,9 @@ def launch(script: Sequence[str], workers: int, *, max_restarts: int = 3, store:
     print(f"[fgdiloco] launch: workers {first_worker}..{first_worker + workers - 1} of {slots} slots on the gossip "
           f"store {address}, each its own torchrun job (max {max_restarts} restarts)"
           + (f"; their output goes to {logs}/worker<k>.log" if logs is not None else ""), file=sys.stderr, flush=True)
-    procs: list[subprocess.Popen[bytes]] = []
-    files = []
     try:
-        for k in range(first_worker, first_worker + workers):
-            out = open(logs / f"worker{k}.log", "ab") if logs is not None else None  # noqa: SIM115 - closed below
-            files.append(out)
-            procs.append(subprocess.Popen(torchrun_command(script, max_restarts=max_restarts),
-                                          env={**base, WORKER_ENV: str(k)}, stdout=out,
-                                          stderr=subprocess.STDOUT if out is not None else None))
-        codes = [p.wait() for p in procs]
-    except KeyboardInterrupt:
-        for p in procs:  # the terminal sent SIGINT to the whole group; make sure every agent hears it
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        raise
+        codes = _run_workers(script, range(first_worker, first_worker + workers), base, max_restarts, logs)
     finally:
-        for f in files:
-            if f is not None:
-                f.close()
         if served is not None:
             served.close()
     failed = [first_worker + i for i, c in enumerate(codes) if c != 0]

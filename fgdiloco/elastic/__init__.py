@@ -1,0 +1,48 @@
+"""Elastic jobs: workers that die, hang, come back and join without stopping anyone.
+
+torchelastic (``torchrun``) restarts or fails its workers as one group: when one local worker dies, the agent stops
+the others. Gossip needs no group, so in an elastic job **each worker is its own torchrun job** (with
+``--max-restarts``), and the workers meet on a **gossip store that no worker hosts**: a ``TCPStore`` served by
+``fgdiloco store`` (or by ``fgdiloco launch``, which starts the workers too). torchft does the same for DiLoCo (one
+torchrun job per replica group and a Lighthouse); fgdiloco needs no quorum, only membership on the store:
+
+* **slots**: the job has ``FGDILOCO_WORKERS`` worker slots; worker ``FGDILOCO_WORKER`` takes one. The gossip schedule
+  is the same random matching over the slots on every worker (:class:`~fgdiloco.gossip.Topology`), so it stays
+  doubly stochastic over whoever is live: a worker whose partner slot is empty (never joined, or departed with a
+  notice) skips that gossip round at once; a partner that died costs one liveness timeout (5 s) and then back-off.
+* **incarnations**: each process that takes a slot is a new incarnation (a counter in the store). Exchange keys name
+  both sides' incarnations, so a restarted worker never meets what its dead predecessor left behind, and its peers
+  reset their back-off for it as soon as they see the new incarnation.
+* **the live round**: every worker publishes the outer round it starts. A restarted worker (from its own checkpoint,
+  or fresh) or one that hung and came back joins the job at the newest round a peer has started
+  (:meth:`fgdiloco.FGDiLoCo.rejoin`), and is mixed with again at once.
+
+A worker's script needs one change: ``FGDiLoCo(..., elastic=True)`` (settings come from the environment the
+launcher sets). Launch on one machine::
+
+    fgdiloco launch --workers 4 --max-restarts 3 train.py --my-args
+
+or by hand, on several machines::
+
+    fgdiloco store --port 29400                                   # on one machine (no worker)
+    FGDILOCO_STORE=host:29400 FGDILOCO_WORKERS=8 FGDILOCO_WORKER=k torchrun --standalone --nproc-per-node 1 \\
+        --max-restarts 3 train.py                                 # once per worker k = 0..7, anywhere
+"""
+
+from .launch import (
+           JOB_ENV,
+           MIN_WORKERS_ENV,
+           STORE_ENV,
+           WORKER_ENV,
+           WORKERS_ENV,
+           connect,
+           launch,
+           settings,
+           torchrun_command,
+)
+from .membership import ElasticMembership
+from .rejoin import CATCH_UP_ROUNDS
+from .store import GossipStore
+
+__all__ = ["CATCH_UP_ROUNDS", "JOB_ENV", "MIN_WORKERS_ENV", "STORE_ENV", "WORKER_ENV", "WORKERS_ENV",
+           "ElasticMembership", "GossipStore", "connect", "launch", "settings", "torchrun_command"]

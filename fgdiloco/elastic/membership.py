@@ -1,0 +1,247 @@
+"""Membership of an elastic job: slots that workers take, leave and take again, on a store no worker hosts.
+
+* **Slots.** The job has ``world_size`` slots; a worker takes one. The gossip schedule is the same matching over the
+  slots on every worker, so it stays doubly stochastic over whoever is live: a worker whose partner slot is empty
+  (never joined, or departed with a notice) skips that gossip round at once; a partner that died costs one
+  ``liveness`` wait and then back-off.
+* **Incarnations.** Each process that takes a slot is a new incarnation (a counter in the store). Exchange keys name
+  both sides' incarnations (:meth:`ElasticMembership.prefix`), so a restarted worker never meets what its dead
+  predecessor left behind, and its peers reset their back-off for it as soon as they see the new incarnation
+  (:meth:`ElasticMembership.returned`).
+* **Published rounds.** Every worker publishes the outer round it starts; the *live round* is the newest any slot
+  reached. A worker that restarted, hung, or joins late enters the job there (:mod:`fgdiloco.elastic.rejoin`).
+* **State for joiners.** A worker without state of its own asks for one (:meth:`ElasticMembership.request_state`);
+  every live worker's heartbeat looks for requests (one store read per beat) and the first to claim one answers it
+  with its last committed round-start state. When the claimer dies before sending, the joiner asks again and
+  another live peer answers.
+
+Every slot's keys are created by the first worker to connect, so a round start reads all slots at once
+(``multi_get``: one store round trip whatever the slot count).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from ..config import HEARTBEAT_SECONDS, FGDiLoCoConfig
+from ..gossip.membership import StoreMembership
+
+__all__ = ["ElasticMembership"]
+
+_KINDS = ("alive", "left", "incarnation", "round", "suspect")  # per-slot counters, created for every slot at once
+
+
+def read_counters(store: dist.Store, keys: Sequence[str]) -> list[int]:
+    """The values of the counters ``keys`` (``store.add``-keys that exist), in one round trip where the store has
+    ``multi_get``."""
+    if not keys:
+        return []
+    if getattr(store, "has_extended_api", lambda: False)():
+        return [int(v) for v in store.multi_get(list(keys))]
+    return [store.add(k, 0) for k in keys]
+
+
+class ElasticMembership(StoreMembership):
+    """The slot ``rank`` of an elastic job of ``world_size`` slots on ``store`` (a ``TCPStore`` no worker hosts).
+
+    Args:
+        store: the job's gossip store.
+        rank: this worker's slot, in ``[0, world_size)``.
+        world_size: the job's slots.
+        namespace: the job's keys' prefix (``fgdiloco/<job>``).
+        liveness: heartbeat silence (seconds) after which a peer is taken for dead or hung.
+
+    Raises:
+        ValueError: ``rank`` or ``world_size`` out of range, or an empty ``namespace``.
+    """
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, namespace: str, *,
+                 liveness: float = FGDiLoCoConfig.liveness):
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1 (the job's worker slots), got {world_size!r}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
+        if not namespace:
+            raise ValueError("namespace must be a non-empty string")
+        self._incarnations: dict[int, int] = {}  # the incarnation of each peer our exchange keys name
+        self._wants_seen = 0  # the store's count of state requests when this worker last looked
+        self._source: Callable[[], tuple[int, bytes] | None] | None = None
+        self._serve_lock = threading.Lock()
+        self._request = 0  # the sequence number of this worker's newest state request
+        self.rejoins = 0
+        super().__init__(store, rank, world_size, namespace, liveness=liveness)
+
+    # ------------------------------------------------------------------ slots and incarnations
+    def _register(self, store: dist.Store) -> None:
+        if store.add(f"{self.namespace}/slots-made", 1) == 1:  # the first worker creates every slot's counters
+            for r in range(self.world_size):
+                for kind in _KINDS:
+                    store.add(self._key(kind, r), 0)
+            store.set(f"{self.namespace}/slots-ready", b"1")
+        else:
+            store.wait([f"{self.namespace}/slots-ready"])
+        self.incarnation = store.add(self._key("incarnation", self.rank), 1)
+        if store.add(self._key("left", self.rank), 0) > 0:  # a predecessor's departure notice is not ours
+            store.set(self._key("left", self.rank), "0")
+        self._published = store.add(self._key("round", self.rank), 0)
+
+    def _incarnation_of(self, peer: int) -> int:
+        with self._lock:
+            return self._incarnations.get(peer, 1)
+
+    def prefix(self, peer: int, key: str) -> str:
+        """Both sides' incarnations in the key: a new process never meets its predecessor's exchanges."""
+        (a, ia), (b, ib) = sorted(((self.rank, self.incarnation), (peer, self._incarnation_of(peer))))
+        return f"{self.namespace}/{key}/{a}.{ia}-{b}.{ib}"
+
+    def _slot_verdict(self, store: dist.Store, peer: int, beat: int) -> str | None:
+        if beat == 0:
+            return "absent"
+        if store.add(self._key("incarnation", peer), 0) != self._incarnation_of(peer):
+            return "restarted"
+        return None
+
+    def returned(self, peer: int) -> bool:
+        with self.stores.lease() as store:
+            now = store.add(self._key("incarnation", peer), 0)
+        with self._lock:
+            before = self._incarnations.get(peer)
+            self._incarnations[peer] = now
+            if before is None or now == before:
+                return False
+            self._left.discard(peer)
+            self._seen.pop(peer, None)
+        return True
+
+    def joined(self) -> list[int]:
+        """The slots that have held a worker (one store round trip)."""
+        with self.stores.lease() as store:
+            beats = read_counters(store, [self._key("alive", r) for r in range(self.world_size)])
+        return [r for r, b in enumerate(beats) if b > 0]
+
+    # ------------------------------------------------------------------ rounds
+    def publish_round(self, outer_round: int) -> None:
+        """Tell the job that this worker starts outer round ``outer_round``."""
+        with self.stores.lease() as store:
+            self._published = store.add(self._key("round", self.rank), int(outer_round) - self._published)
+
+    def peer_round(self, peer: int) -> int | None:
+        with self.stores.lease() as store:
+            return store.add(self._key("round", peer), 0)
+
+    def slot_rounds(self, *, departed: bool) -> dict[int, int]:
+        """The published round of every other slot that ever held a worker; ``departed``: with those that left.
+        One store round trip whatever the slot count."""
+        others = [r for r in range(self.world_size) if r != self.rank]
+        keys = [self._key(kind, r) for r in others for kind in ("round", "alive", "left")]
+        with self.stores.lease() as store:
+            values = read_counters(store, keys)
+        out = {}
+        for i, r in enumerate(others):
+            rnd, alive, left = values[3 * i: 3 * i + 3]
+            if alive > 0 and (departed or left == 0):
+                out[r] = rnd
+        return out
+
+    def live_round(self) -> int | None:
+        """The newest outer round a slot has started, departed workers included (a worker that restarts after every
+        peer finished joins at the job's end), or None when no other slot ever held a worker."""
+        rounds = self.slot_rounds(departed=True)
+        return max(rounds.values()) if rounds else None
+
+    def peer_rounds(self) -> dict[int, int]:
+        """The round each peer still in the job (joined, not departed) last started."""
+        return self.slot_rounds(departed=False)
+
+    # ------------------------------------------------------------------ state for joiners
+    def _want_key(self, rank: int) -> str:
+        return self._key("want", rank)
+
+    def _state_key(self, rank: int, request: str) -> str:
+        return f"{self.namespace}/state/{rank}.{request}"
+
+    def serve(self, source: Callable[[], tuple[int, bytes] | None] | None) -> None:
+        """Answer joiners' state requests from now on with ``source()``: ``(round, payload)`` of this worker's last
+        committed round-start state, or None while it has none (None: stop answering)."""
+        self._source = source
+
+    def _tick(self) -> None:
+        super()._tick()
+        if self._source is not None:
+            self.answer_requests(self._beat_store)
+
+    def answer_requests(self, store: dist.Store) -> int:
+        """Answer the state requests not answered yet (one store read when there are none); returns how many this
+        worker answered."""
+        with self._serve_lock:
+            wants = store.add(f"{self.namespace}/wants", 0)
+            if wants == self._wants_seen or self._source is None:
+                return 0
+            self._wants_seen = wants
+            others = [r for r in range(self.world_size) if r != self.rank]
+            asked = [r for r in others if store.check([self._want_key(r)])]
+            answered = 0
+            for r in asked:
+                request = store.get(self._want_key(r)).decode()
+                key = self._state_key(r, request)
+                if store.check([key + "/claim"]):
+                    continue
+                state = self._source()
+                if state is None:
+                    self._wants_seen = -1  # look again at the next beat
+                    return answered
+                mine = str(self.rank).encode()
+                if store.compare_set(key + "/claim", "", mine) != mine:
+                    continue
+                store.set(key, state[1])
+                answered += 1
+            return answered
+
+    def request_state(self) -> None:
+        """Ask the live peers for their state (a worker joining without one of its own)."""
+        self._request += 1
+        with self.stores.lease() as store:
+            store.set(self._want_key(self.rank), f"{self.incarnation}.{self._request}")
+            store.add(f"{self.namespace}/wants", 1)
+
+    def await_state(self, timeout: float) -> bytes | None:
+        """The answer to this worker's :meth:`request_state`, or None when none came within ``timeout`` seconds or
+        no live peer is left to answer. A peer that claimed the request and died before answering is replaced: the
+        request is posted again for the others."""
+        t0 = time.monotonic()
+        with self.stores.lease() as store:
+            while True:
+                key = self._state_key(self.rank, f"{self.incarnation}.{self._request}")
+                if store.check([key]):
+                    return store.get(key)
+                if time.monotonic() - t0 > timeout or not self._anyone_there(t0):
+                    return None
+                if store.check([key + "/claim"]):
+                    donor = int(store.get(key + "/claim"))
+                    if self.gone(donor, t0) is not None:
+                        self.request_state()
+                time.sleep(HEARTBEAT_SECONDS / 2)
+
+    def _anyone_there(self, since: float) -> bool:
+        """Whether some other slot holds a live worker (joined, not departed, heartbeat moving)."""
+        return any(self.gone(r, since) is None for r in range(self.world_size) if r != self.rank)
+
+    # ------------------------------------------------------------------ joining a running job
+    def before_round(self, outer: Any) -> None:
+        from .rejoin import before_round
+
+        before_round(self, outer)
+
+    def rejoin(self, outer: Any) -> None:
+        from .rejoin import rejoin
+
+        rejoin(self, outer)
+
+    def close(self) -> None:
+        self._source = None
+        super().close()

@@ -1,0 +1,91 @@
+"""Joining a running elastic job at its live round: after a restart, a hang, or as a new worker.
+
+Called by :class:`~fgdiloco.elastic.ElasticMembership` before every outer round (:func:`before_round`) and by
+``FGDiLoCo.rejoin`` (:func:`rejoin`), with the wrapper's :class:`~fgdiloco.outer.state.OuterState`:
+
+* a worker that has not joined yet enters at the live round (the newest any slot started) when that is ahead of
+  its own; without state of its own (``outer.fresh``: no checkpoint loaded) it first adopts a live peer's
+  round-start parameters and outer momentum (one checked, authenticated frame, answered by the first live peer to
+  claim the request), so it does not pull its partners back to the initial model;
+* a joined worker that finds itself :data:`CATCH_UP_ROUNDS` behind the peers' *median* round (it hung, or its peers
+  went on without it) jumps to the live round, starting it from its own parameters. The median, not the newest: a
+  worker that lost a few seconds to a dead peer while two others went on is waited for, not moved.
+
+Every jump is counted (``outer.rejoins``, ``RoundStats.rejoins``) and logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+__all__ = ["CATCH_UP_ROUNDS", "before_round", "rejoin"]
+
+log = logging.getLogger("fgdiloco")
+
+#: A joined worker this many outer rounds behind the peers' median round jumps to the live round; a round or two
+#: behind is normal (its peers wait for it at their next exchange with it, so the job pulls itself back into step).
+CATCH_UP_ROUNDS = 3
+
+
+def before_round(membership: Any, outer: Any) -> None:
+    """Before an outer round starts: join (or catch up with) the live round, then publish the round and answer
+    joiners from now on."""
+    joined = getattr(membership, "_joined", False)
+    _catch_up(membership, outer, CATCH_UP_ROUNDS if joined else 1, adopt=not joined and outer.fresh)
+    membership._joined = True
+    membership.serve(outer.committed_state)
+    with contextlib.suppress(Exception):  # a store we cannot reach: peers see an older round
+        membership.publish_round(outer.round)
+
+
+def rejoin(membership: Any, outer: Any) -> None:
+    """Join the live round now (``FGDiLoCo.rejoin``): adopt a live peer's state first when ``outer`` has none."""
+    _catch_up(membership, outer, 1, adopt=outer.fresh)
+    membership._joined = True
+
+
+def _target(membership: Any, behind: int) -> int | None:
+    """The live round (``behind <= 1``), or the peers' median round (has this worker fallen behind?)."""
+    if behind <= 1:
+        return membership.live_round()
+    rounds = sorted(membership.peer_rounds().values())
+    return rounds[(len(rounds) - 1) // 2] if rounds else None
+
+
+def _catch_up(membership: Any, outer: Any, behind: int, adopt: bool) -> None:
+    try:
+        live = _target(membership, behind)
+    except Exception as err:  # noqa: BLE001 - a store we cannot reach: stay where we are
+        log.debug("fgdiloco: could not read the peers' rounds: %s", err)
+        return
+    if live is None or live - outer.round < behind:
+        return
+    if adopt and _adopt(membership, outer):
+        return
+    log.warning("fgdiloco rank %d: joining the job at outer round %d (this worker was at round %d, step %d of it)",
+                outer.rank, live, outer.round, outer.steps_in_round)
+    outer.jump(live)
+
+
+def _adopt(membership: Any, outer: Any) -> bool:
+    """Take a live peer's state (False when none came within ``join_timeout`` or it was rejected: then the worker
+    joins with its own)."""
+    try:
+        membership.request_state()
+        payload = membership.await_state(outer.join_timeout)
+    except Exception as err:  # noqa: BLE001 - a store we cannot reach: join with our own state
+        log.warning("fgdiloco rank %d: could not ask for a peer's state (%s); joining with its own", outer.rank, err)
+        return False
+    if payload is None:
+        log.warning("fgdiloco rank %d: no peer sent its state (within %.0f s, or none is left); joining with its "
+                    "own", outer.rank, outer.join_timeout)
+        return False
+    was = outer.round
+    taken = outer.adopt(payload)
+    if taken is None:
+        return False
+    log.warning("fgdiloco rank %d: joined the job at outer round %d with a live peer's parameters and outer momentum "
+                "(this worker was at round %d)", outer.rank, taken, was)
+    return True

@@ -1,0 +1,206 @@
+"""Who is in the job: the :class:`Membership` interface the transport and the mixer ask, and its static form.
+
+A membership answers, for every peer: is it still there (heartbeat, departure notice), did it come back as a new
+process, which outer round did it reach; it posts this worker's own heartbeat and departure, and lets the wrapper
+join a running job (:meth:`Membership.before_round`, :meth:`Membership.rejoin`). Three forms:
+
+* :class:`Membership`: knows nothing (a single worker, the in-process :class:`~fgdiloco.gossip.LocalHub`);
+* :class:`StoreMembership`: the workers of one ``torch.distributed`` process group, on the group's store: a
+  heartbeat counter per worker, bumped every :data:`~fgdiloco.config.HEARTBEAT_SECONDS`; a peer whose counter has not
+  moved for ``liveness`` seconds is taken for dead or hung (``SUSPECT_SECONDS`` once another worker saw its
+  connections reset, the mark of a dead process); a departure notice (:meth:`leave`) ends every wait for it at once.
+  The set of workers is fixed: nobody joins or comes back.
+* :class:`fgdiloco.elastic.ElasticMembership`: slots that workers take, leave and take again, on a store that no
+  worker hosts (elastic jobs).
+
+Store connections. Each exchange in flight talks to the store over its own connection (:class:`StorePool` of
+``Store.clone()``\\ s): a store client serialises its operations, so Mix1's background exchange waiting for its
+peer would otherwise hold up Mix2's on the main thread, and two workers could each wait for the other (seen on a
+TCPStore).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch.distributed as dist
+
+from ..config import HEARTBEAT_SECONDS, FGDiLoCoConfig
+from ..runtime import Service
+
+__all__ = ["Membership", "StoreMembership", "StorePool", "SUSPECT_SECONDS"]
+
+#: Liveness of a peer that another worker already saw reset its connections (a dead process), seconds.
+SUSPECT_SECONDS = 2.0
+
+
+class StorePool:
+    """Store connections handed to one user at a time (a clone costs ~0.2 s on a TCPStore, so they are reused)."""
+
+    def __init__(self, store: dist.Store, warm: int = 2):
+        self._base = store
+        self._free = [store.clone() for _ in range(warm)]
+        self._lock = threading.Lock()
+
+    def acquire(self) -> dist.Store:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return self._base.clone()
+
+    def release(self, store: dist.Store) -> None:
+        with self._lock:
+            self._free.append(store)
+
+    @contextlib.contextmanager
+    def lease(self) -> Iterator[dist.Store]:
+        """A connection for the ``with`` block, given back after it."""
+        store = self.acquire()
+        try:
+            yield store
+        finally:
+            self.release(store)
+
+
+class Membership:
+    """The membership of a job nobody joins or leaves and nobody watches (a single worker, in-process tests): every
+    question is answered "not known". ``rank`` and ``world_size`` are positions in the gossip group."""
+
+    incarnation = 1
+
+    def __init__(self, rank: int = 0, world_size: int = 1):
+        self.rank = rank
+        self.world_size = world_size
+
+    # ---- exchanges
+    def prefix(self, peer: int, key: str) -> str:
+        """The store prefix of the exchange ``key`` between this worker and ``peer`` (both derive the same)."""
+        a, b = sorted((self.rank, peer))
+        return f"{key}/{a}-{b}"
+
+    def gone(self, peer: int, since: float) -> str | None:
+        """Why ``peer`` will not come (``"left"``, ``"absent"``, ``"restarted"``, or its heartbeat stopped), or
+        None when it may still come; ``since`` (``time.monotonic()``) is when the caller started waiting."""
+        return None
+
+    def has_left(self, peer: int) -> bool:
+        """Whether ``peer`` is known to have posted a departure notice."""
+        return False
+
+    def returned(self, peer: int) -> bool:
+        """Whether ``peer`` came back as a new process since this was last asked (then its departure notice is
+        forgotten)."""
+        return False
+
+    def suspect(self, peer: int) -> None:  # noqa: B027 - optional
+        """Tell the job that ``peer``'s connection was reset (it is probably dead): others wait less for it."""
+
+    def leave(self) -> None:  # noqa: B027 - optional
+        """Post this worker's departure notice: every later exchange a peer attempts with it ends at once."""
+
+    # ---- rounds
+    def peer_round(self, peer: int) -> int | None:
+        """The outer round ``peer`` last said it started, or None (not known). A peer past the round of an
+        exchange will never come to it."""
+        return None
+
+    # ---- joining a running job (elastic memberships; nothing to do in a fixed group)
+    def before_round(self, outer: Any) -> None:  # noqa: B027 - optional
+        """Called by the wrapper before every outer round starts, with its :class:`~fgdiloco.outer.state.OuterState`
+        (an elastic membership joins the live round, answers joiners, publishes the round)."""
+
+    def rejoin(self, outer: Any) -> None:  # noqa: B027 - optional
+        """Join the job at its live round now (``FGDiLoCo.rejoin``)."""
+
+    def close(self) -> None:  # noqa: B027 - optional
+        """Stop the heartbeat and release connections."""
+
+
+class StoreMembership(Membership):
+    """The workers of one ``torch.distributed`` group on its store (see the module docstring).
+
+    Args:
+        store: the job's store (every member uses the same one).
+        rank, world_size: this worker's position and the number of workers.
+        namespace: the keys' prefix (unique per job and run).
+        liveness: heartbeat silence (seconds) after which a peer is taken for dead or hung.
+    """
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, namespace: str, *,
+                 liveness: float = FGDiLoCoConfig.liveness):
+        super().__init__(rank, world_size)
+        self.namespace = namespace
+        self.liveness = float(liveness)
+        self.stores = StorePool(store)
+        self._seen: dict[int, tuple[int, float]] = {}  # peer -> (heartbeat value, when it last changed)
+        self._left: set[int] = set()
+        self._lock = threading.Lock()
+        self._beat_store = self.stores.acquire()
+        self._register(self._beat_store)
+        self._beat_store.add(self._key("alive", self.rank), 1)
+        self._service = Service(self._tick, HEARTBEAT_SECONDS, "heartbeat")
+
+    def _register(self, store: dist.Store) -> None:
+        """Hook for subclasses: keys to set before the first heartbeat."""
+
+    def _key(self, kind: str, rank: int) -> str:
+        return f"{self.namespace}/{kind}/{rank}"
+
+    def _tick(self) -> None:
+        self._beat_store.add(self._key("alive", self.rank), 1)
+
+    def prefix(self, peer: int, key: str) -> str:
+        return f"{self.namespace}/{super().prefix(peer, key)}"
+
+    def gone(self, peer: int, since: float) -> str | None:
+        with self.stores.lease() as store:
+            return self._gone(store, peer, since)
+
+    def _gone(self, store: dist.Store, peer: int, since: float) -> str | None:
+        if self._departed(store, peer):
+            return "left"
+        beat = store.add(self._key("alive", peer), 0)
+        verdict = self._slot_verdict(store, peer, beat)
+        if verdict is not None:
+            return verdict
+        limit = SUSPECT_SECONDS if store.add(self._key("suspect", peer), 0) > 0 else self.liveness
+        now = time.monotonic()
+        with self._lock:
+            value, seen = self._seen.get(peer, (None, since))
+            if value != beat:
+                self._seen[peer] = (beat, now)
+                return None
+        if now - seen > limit:
+            return f"no heartbeat for {now - seen:.1f} s"
+        return None
+
+    def _slot_verdict(self, store: dist.Store, peer: int, beat: int) -> str | None:
+        """Hook for subclasses (an empty or re-taken slot); a fixed group has none."""
+        return None
+
+    def _departed(self, store: dist.Store, peer: int) -> bool:
+        if peer in self._left:
+            return True
+        if store.add(self._key("left", peer), 0) > 0:
+            with self._lock:
+                self._left.add(peer)
+            return True
+        return False
+
+    def has_left(self, peer: int) -> bool:
+        return peer in self._left
+
+    def suspect(self, peer: int) -> None:
+        with self.stores.lease() as store:
+            store.add(self._key("suspect", peer), 1)
+
+    def leave(self) -> None:
+        with self.stores.lease() as store:
+            store.add(self._key("left", self.rank), 1)
+
+    def close(self) -> None:
+        self._service.stop()
