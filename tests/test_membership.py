@@ -1,5 +1,5 @@
 """Membership of elastic jobs on a real TCPStore (fgdiloco.elastic.ElasticMembership under a DistributedTransport):
-incarnations, absent and restarted peers, the live round, state for joiners, and the settings' errors.
+slots, incarnations, absent and restarted peers, the live round, state for joiners, and the settings' errors.
 Workers are threads here (the transport needs no process group); tests/test_elastic_launch.py runs real processes
 under ``fgdiloco launch``."""
 
