@@ -1,4 +1,4 @@
-"""Elastic jobs: workers that die, hang, come back and join without stopping anyone (DESIGN §6).
+"""Elastic jobs: workers that die, hang, come back and join without stopping anyone (docs/faults.md).
 
 torchelastic (``torchrun``) restarts or fails its workers as one group: when one local worker dies, the agent stops
 the others. Gossip needs no group, so in an elastic job **each worker is its own torchrun job** (with

@@ -3,7 +3,7 @@
 :class:`DistributedTransport` runs on ``torch.distributed``. Each pairwise exchange builds a *private* 2-rank Gloo
 process group on a :class:`~torch.distributed.PrefixStore` of the job's store, keyed by the mix, the schedule index
 and the pair. Why a fresh group per exchange: a Gloo timeout closes every connection of the group it happens in
-(PLATFORM.md), so a hung peer inside a shared group would break all later gossip; in a private group it breaks
+(measured on Gloo), so a hung peer inside a shared group would break all later gossip; in a private group it breaks
 only that one exchange. A fresh key per exchange also means a peer that comes back after a failure can never be
 matched against a half-finished exchange. The cost is a few store round trips per exchange (about 2-3 ms on a
 TCPStore, about 25 ms on a FileStore), paid once per gossip round, not per inner step.
