@@ -17,7 +17,7 @@ Run from the repository root::
 2. **Loss.** The same ``fgdiloco pretrain`` run (default configuration, 4 workers) once per codec; the held-out loss
    at the end, and its ratio to the uncompressed (dense) run.
 
-Results go to ``benchmarks/results/compression.json``; the README quotes the table.
+Results go to ``benchmarks/results/compression.json``; benchmarks/RESULTS.md quotes the table.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ Run from the repository root::
    noise): one pairwise round's contraction ``‖(I−J)X̄‖ / ‖(I−J)X‖`` per codec, averaged over 6 rounds, through the
    same pair sessions and frames the mixer runs (:func:`fgdiloco.gossip.mix.pair_round_in_process`).
 
-Results: ``benchmarks/results/consensus.json`` and ``consensus.png``; the README quotes the tables.
+Results: ``benchmarks/results/consensus.json`` and ``consensus.png``; benchmarks/RESULTS.md quotes the tables.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Each worker gets its own network namespace ``<tag>-w<i>`` holding one end of a v
 is created in, or routed through, the root namespace: the addresses exist only inside these namespaces, there is
 no default route, and a packet can only reach another worker of the same cluster. Both ends of every veth are
 shaped with ``tc qdisc ... tbf rate R burst B latency L``: the worker's end limits what it sends, the bridge's end
-limits what it receives (PLATFORM.md measured 95.8 Mbit/s for 100mbit this way; ``netem`` does not exist in this
+limits what it receives (measured: 95.8 Mbit/s for 100mbit this way; ``netem`` does not exist in this
 kernel, so no propagation delay or loss is added: latency is what the stack and the tbf queue give).
 
 Usage::

@@ -40,7 +40,7 @@ way; per seed and the mean over seeds), its ratio to the unconstrained run (of t
 token budget the seed-to-seed spread is of the order of the effect, so look at both), bytes per step, the ratios,
 trainable parameters, wall time per step (on a shared machine: indicative only), the process's CPU time, and the
 largest out-of-subspace component of the residual stream at any block boundary at the end (float rounding only).
-Results go to ``benchmarks/results/subspace.json``; the README quotes both tables.
+Results go to ``benchmarks/results/subspace.json``; benchmarks/RESULTS.md quotes both tables.
 """
 
 from __future__ import annotations

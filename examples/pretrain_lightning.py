@@ -8,7 +8,7 @@ the bundled public-domain corpus), as a ``LightningModule`` + ``LightningDataMod
 ``Trainer(strategy="fgdiloco")``: one process per replica (Lightning's launcher re-runs this script for each),
 ordinary AdamW steps on each replica's own shard of random text windows, and every ``sync_every`` steps an outer
 round that gossips with a peer. ``GossipMonitor`` shows utilisation and consensus distance in the progress bar and
-logs every round's diagnostics to ``<out>/lightning_logs/version_*/metrics.csv``. The defaults take a couple of
+logs every round's diagnostics to ``<out>/lightning_logs/version_*/metrics.csv``. The defaults take about 4
 minutes on a 2-core CPU.
 
 With ``--stages S`` every replica is S processes holding one pipeline stage each (``GPT.split(S)``):

@@ -1,7 +1,7 @@
 """Register the ``"fgdiloco"`` strategy names with Lightning, without importing Lightning.
 
 Lightning has no entry-point group for strategies: ``Trainer(strategy="fgdiloco")`` works only after
-``StrategyRegistry.register`` ran in that process (PLATFORM.md). ``import fgdiloco`` and ``import
+``StrategyRegistry.register`` ran in that process. ``import fgdiloco`` and ``import
 lightning_callbacks`` both call :func:`ensure_registered`, but importing ``pytorch_lightning`` costs about 2 s,
 which plain-PyTorch users of ``fgdiloco`` (every ``torchrun`` rank) should not pay. So:
 

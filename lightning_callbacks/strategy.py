@@ -94,7 +94,7 @@ CHECKPOINT_KEY = "fgdiloco"
 CHECKPOINT_FORMAT = 1
 
 # Lightning >= 2.5.2 broadcasts a SIGTERM flag on the world group before every training batch
-# (``_TrainingEpochLoop._broadcast_sigterm_tensor``), which puts all replicas in lockstep (PLATFORM.md).
+# (``_TrainingEpochLoop._broadcast_sigterm_tensor``), which puts all replicas in lockstep (docs/lightning.md).
 _SIGTERM_BROADCAST_SINCE = Version("2.5.2")
 
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")

@@ -1,4 +1,4 @@
-"""Consensus safety of pairwise gossip (DESIGN §3.1): a round never increases the workers' disagreement beyond the
+"""Consensus safety of pairwise gossip (docs/gossip.md): a round never increases the workers' disagreement beyond the
 codec's own quantisation floor, for every codec allowed in pairwise rounds, and always preserves the average."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Elastic workers (DESIGN §6): checked checkpoints, resume order, unsynchronised parameters, who may take part,
+"""Elastic workers (docs/faults.md): checked checkpoints, resume order, unsynchronised parameters, who may take part,
 adaptive deadlines, departures and deaths. Multi-process tests run on real Gloo ranks (fgdiloco/testing.py)."""
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ def test_round_diagnostics_are_filled_in(tmp_path, mix_momentum):
         assert s["mix1_bytes_sent"] > 48 and s["mix2_bytes_sent"] > 48
         assert s["mix1_bytes_received"] > 48 and s["mix2_bytes_received"] > 48
         # dense fp32 pseudo-gradients vs bf16 parameters: Mix2's frames are larger than Mix1's, by at most the
-        # 2x of the raw element sizes plus what zstd gains more on bf16 than on fp32 (PLATFORM.md: 1.46x vs 1.19x);
+        # 2x of the raw element sizes plus what zstd gains more on bf16 than on fp32 (measured: 1.46x vs 1.19x);
         # Mix1 moving the momentum too doubles its elements
         ratio = s["mix2_bytes_sent"] / s["mix1_bytes_sent"] * (2 if mix_momentum else 1)
         assert ratio > 1.3

@@ -1,5 +1,5 @@
-"""Compression of gossip payloads (codecs, error feedback, checked wire frames: DESIGN §3) and of activations
-between pipeline stages (subspace codec: DESIGN §4)."""
+"""Compression of gossip payloads (codecs, error feedback, checked wire frames: docs/gossip.md) and of activations
+between pipeline stages (subspace codec: docs/pipelines.md)."""
 
 from .codec import BF16, Codec, CodecError, Dense, codec_from_id, codec_names, register_codec, resolve_codec
 from .frame import HEADER_SIZE, FrameError, decode_frame, encode_frame, job_secret, layout_fingerprint

@@ -16,7 +16,7 @@ part of ``FGDiLoCo.state_dict()``.
 Pairwise gossip rounds run a codec's *pair session* (:meth:`Codec.pair_session`): a short conversation of one or
 more messages with the peer that ends in the correction ``c_i`` this worker adds to its value (its peer adds
 ``c_j = −c_i``, bit for bit, so the pair's sum is preserved). A pairwise round must be *consensus-safe*
-(DESIGN §3.1): the disagreement ``‖(I−J)X‖_F`` after the round is at most
+(docs/gossip.md, consensus safety): the disagreement ``‖(I−J)X‖_F`` after the round is at most
 ``sqrt(‖(I−J)X‖_F² + Σ_i floor_i²)``, where ``floor_i = ‖q(x_i) − x_i‖_F`` is worker i's own quantisation error in
 that round (reported as :attr:`PairOutcome.floor`; 0 for lossless number formats, up to float rounding). The
 default session (one message: ``q(x_i)``, correction ``½(q(x_j) − q(x_i))``) has that property for every
@@ -109,7 +109,7 @@ class Codec(abc.ABC):
     Subclasses set ``codec_id`` (unique, 1-255, written into each frame header) and ``name``.
     ``lossless`` is True when ``decode(encode(x)) == x`` bit for bit. ``shuffle`` is the element size in bytes
     of a byte-plane shuffle that :func:`~fgdiloco.factor.frame.encode_frame` should apply before zstd (0: none);
-    it pays for bodies made of one float type (PLATFORM.md: fp32 1.08x -> 1.19x, bf16 1.29x -> 1.46x) on links
+    it pays for bodies made of one float type (measured zstd ratios: fp32 1.08x -> 1.19x, bf16 1.29x -> 1.46x) on links
     slower than a few hundred Mbit/s, and a codec may set it per instance.
     """
 

@@ -62,7 +62,7 @@ FLAG_SHUFFLE = 2
 FLAG_MAC = 4
 TAG_SIZE = 32  # HMAC-SHA256
 SECRET_ENV, SECRET_FILE_ENV = "FGDILOCO_SECRET", "FGDILOCO_SECRET_FILE"
-ZSTD_LEVEL = 1  # PLATFORM.md: level 3 gains nothing on tensor bytes and is slower
+ZSTD_LEVEL = 1  # measured: level 3 gains nothing on tensor bytes and is slower
 # Largest raw body we will ever allocate for: guards against a forged length field.
 MAX_BODY_BYTES = 1 << 36
 
@@ -162,7 +162,7 @@ def encode_frame(
         fingerprint: 8 bytes from :func:`layout_fingerprint`.
         compress: compress the body with zstandard level 1.
         shuffle: element size in bytes for a byte-plane shuffle before compression (0 = none); it lifts the
-            zstd ratio of float data (PLATFORM.md: bf16 1.29x -> 1.46x).
+            zstd ratio of float data (measured: bf16 1.29x -> 1.46x).
         secret: the job secret (:func:`job_secret`): append an HMAC-SHA256 tag over header and payload.
 
     Returns:

@@ -3,7 +3,7 @@
 Two protocols share one codec (:class:`LowRank`), chosen by the mix that runs it:
 
 * **Pairwise gossip rounds** (random, exponential, ring topologies): a *pair-agreed projection*. Both peers project
-  onto one basis they build together, so the round is consensus-safe (DESIGN §3.1): ``q(Δ_j) − q(Δ_i) =
+  onto one basis they build together, so the round is consensus-safe (docs/gossip.md): ``q(Δ_j) − q(Δ_i) =
   P̂P̂ᵀ(Δ_j − Δ_i)`` and the pair's disagreement can only shrink (up to the number format's floor). No error
   feedback: the difference form already keeps the workers' average exact, and a residual would be paid later to a
   different peer.
@@ -97,7 +97,7 @@ class LowRank(Codec):
     ``"fp32"``, half an int8 step of each row block of ``B`` for ``"int8"``), so a round never increases the
     disagreement beyond that floor, whatever the inputs, even when the workers' shared part dominates (a
     per-worker subspace would not cancel it). Measured on the example GPT's real pseudo-gradients (4 workers,
-    ``benchmarks/consensus.py``): see the README's consensus table.
+    ``benchmarks/consensus.py``): see benchmarks/RESULTS.md (consensus).
 
     Error feedback (exact path) makes the compression unbiased over time: the sum of everything sent up to round
     ``t`` equals the sum of the inputs minus the current residual (``Σ M̂ = Σ Δ − e_t``), and the residual stays

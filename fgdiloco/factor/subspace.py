@@ -1,7 +1,7 @@
 """Subspace compression of the activations between pipeline stages (Subspace Networks).
 
 After Ramasinghe et al., "Subspace Networks: Scaling Decentralized Training with Communication-Efficient Model
-Parallelism", arXiv 2506.01260 (DESIGN §4). In a pre-norm transformer every write into the residual stream goes
+Parallelism", arXiv 2506.01260 (docs/pipelines.md). In a pre-norm transformer every write into the residual stream goes
 through the token and position embeddings and each block's attention and MLP output projections. If all of them
 write only into ``span(U)`` for one fixed, seeded, orthonormal ``d × k`` basis ``U`` shared by every stage, plus a
 frozen seeded token embedding ``E_fix`` that carries the token-specific part, then at every stage boundary::

@@ -3,7 +3,7 @@ of the topology's plan (pair, group or idle), executed by one loop.
 
 **Pair** (random, exponential, ring). The codec's pair session (:meth:`fgdiloco.factor.Codec.pair_session`) runs
 on a channel to the peer and ends in a correction ``c_i`` with ``c_j = −c_i`` bit for bit: the pair's sum, hence the
-workers' average, is preserved whatever the codec drops, and the round is consensus-safe (DESIGN §3.1): the
+workers' average, is preserved whatever the codec drops, and the round is consensus-safe (docs/gossip.md): the
 disagreement ``‖(I−J)X‖_F`` never grows beyond the codec's quantisation floor. Then a one-byte accept/reject each
 way: **an exchange is applied by both sides or by neither** (a frame rejected at one receiver, or a payload that
 never arrives, leaves both peers with their own values) and codec state (warm starts) is committed only when it

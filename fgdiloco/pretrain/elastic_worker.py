@@ -1,4 +1,4 @@
-"""One worker of an elastic ``fgdiloco pretrain`` job: its own single-process ``torchrun`` job (DESIGN §6).
+"""One worker of an elastic ``fgdiloco pretrain`` job: its own single-process ``torchrun`` job (docs/faults.md).
 
     python -m torch.distributed.run --standalone --nproc-per-node=1 --max-restarts=N \\
         -m fgdiloco.pretrain.elastic_worker OUT/config.json

@@ -509,7 +509,7 @@ def _prepare_resume(out: Path, workers: int) -> tuple[int, int]:
 
 def launch_elastic(cfg: TrainConfig, *, on_row: Callable[[dict[str, Any]], Any] | None = None,
                    on_start: Callable[[], Any] | None = None, resume: bool = False) -> dict[str, Any]:
-    """Run ``cfg.workers`` elastic workers (DESIGN §6) and return the run's summary.
+    """Run ``cfg.workers`` elastic workers (docs/faults.md) and return the run's summary.
 
     This process serves the gossip store (:class:`fgdiloco.elastic.GossipStore`) and starts every worker slot as
     its own single-process ``torchrun`` job (:func:`fgdiloco.elastic.torchrun_command`, ``--max-restarts
