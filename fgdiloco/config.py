@@ -72,12 +72,19 @@ class Count(Check):
             raise argparse.ArgumentTypeError(f"expected {self.allowed}, got {text!r}") from None
 
 
-class Integer(Count):
+class Integer(Check):
     """Any int (bools refused)."""
 
     def __init__(self, what: str = ""):
-        super().__init__(-(1 << 63))
         self.allowed = "an int" + (f" ({what})" if what else "")
+
+    def __call__(self, name: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be {self.allowed}, got {type(value).__name__}")
+        return value
+
+    def parse(self, text: str) -> int:
+        return Count.parse(self, text)  # type: ignore[arg-type]
 
 
 class Number(Check):
@@ -313,7 +320,7 @@ class FGDiLoCoConfig:
                             f"{', '.join(cls.names())} (and timeout=, which sets {', '.join(TIMEOUT_FIELDS)})")
         if config is None:
             return cls(**overrides)
-        return config.replace(**overrides)
+        return config.replace(**overrides) if overrides else config
 
     def replace(self, **changes: Any) -> FGDiLoCoConfig:
         """A copy with ``changes`` (validated); ``timeout=`` sets the four timeouts not given in ``changes``."""

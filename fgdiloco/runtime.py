@@ -178,11 +178,11 @@ class Service:
             except Exception as err:  # noqa: BLE001 - retried at the next period
                 log.debug("fgdiloco %s: %s", self._thread.name, err)
 
-    def stop(self, join_timeout: float = 5.0) -> None:
-        """Stop the loop and wait (at most ``join_timeout`` s) for a step in progress to end."""
+    def stop(self, wait: float = 5.0) -> None:
+        """Stop the loop and wait (at most ``wait`` s) for a step in progress to end."""
         self._stop.set()
         if self._thread is not threading.current_thread():
-            self._thread.join(timeout=self._period + join_timeout)
+            self._thread.join(timeout=self._period + wait)
 
 
 # ---------------------------------------------------------------------------------------------------- exit

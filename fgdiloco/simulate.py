@@ -163,10 +163,15 @@ class Prediction:
     mix1_hidden: bool | None = None
 
 
-def predict(method: str, w: Workload, m: int, net: Network, *, mix1_rounds: int = 1, mix2_rounds: int = 1,
-            allreduce: str = "ring") -> Prediction:
+def predict(method: str, w: Workload, m: int, net: Network, *, mix1_rounds: int | None = None,
+            mix2_rounds: int | None = None, allreduce: str = "ring") -> Prediction:
     """Predicted round of ``method`` (``"ddp"``, ``"diloco"``, ``"localsgd"`` or ``"fgdiloco"``); ``allreduce``:
-    ``"ring"`` (Gloo's, what the measured runs use) or ``"halving_doubling"`` (log-latency)."""
+    ``"ring"`` (Gloo's, what the measured runs use) or ``"halving_doubling"`` (log-latency); the gossip rounds
+    default to :class:`~fgdiloco.FGDiLoCoConfig`'s."""
+    from .config import FGDiLoCoConfig
+
+    mix1_rounds = FGDiLoCoConfig.mix1_rounds if mix1_rounds is None else mix1_rounds
+    mix2_rounds = FGDiLoCoConfig.mix2_rounds if mix2_rounds is None else mix2_rounds
     compute = w.sync_every * w.step_seconds
     hidden = None
     if method == "ddp":
