@@ -167,6 +167,47 @@ class Choice(Check):
         return value.lower()
 
 
+class Fragments(Check):
+    """An int >= 1, or a non-empty list of fragments (modules or lists of parameters)."""
+
+    allowed = "an int >= 1 or a list of nn.Modules / parameter lists"
+
+    def __call__(self, name: str, value: Any) -> Any:
+        if isinstance(value, bool):
+            raise TypeError(f"{name} must be {self.allowed}, got bool")
+        if isinstance(value, int):
+            return Count(1)(name, value)
+        if isinstance(value, (list, tuple)) and value:
+            return tuple(value)
+        raise TypeError(f"{name} must be {self.allowed}, got {type(value).__name__}")
+
+    def parse(self, text: str) -> int:
+        return Count(1).parse(text)
+
+
+#: Outer optimizers by name (``outer_optimizer="adam"``): built with ``outer_lr`` and ``outer_momentum`` (Adam's
+#: first beta; the second is 0.999); ``"nesterov"`` is the default SGD with Nesterov momentum.
+OUTER_OPTIMIZERS = ("nesterov", "sgd", "adam", "adamw")
+
+
+class OuterOptimizerCheck(Check):
+    """None (Nesterov SGD), a name from :data:`OUTER_OPTIMIZERS`, or a callable ``params -> torch.optim.Optimizer``."""
+
+    allowed = f"None, one of {', '.join(repr(n) for n in OUTER_OPTIMIZERS)}, or a callable params -> Optimizer"
+
+    def __call__(self, name: str, value: Any) -> Any:
+        if value is None or callable(value):
+            return value
+        if isinstance(value, str):
+            if value.lower() not in OUTER_OPTIMIZERS:
+                raise ValueError(f"{name} must be {self.allowed}, got {value!r}")
+            return None if value.lower() == "nesterov" else value.lower()
+        raise TypeError(f"{name} must be {self.allowed}, got {type(value).__name__}")
+
+    def names(self) -> list[str]:
+        return list(OUTER_OPTIMIZERS)
+
+
 def _codec_names() -> list[str]:
     from .factor import codec_names  # the package registers every built-in codec
 
@@ -215,6 +256,17 @@ class FGDiLoCoConfig:
         outer_momentum: outer momentum μ in [0, 1) [0.9] (DiLoCo's, for hundreds of rounds; with a few dozen rounds
             0.3 overshoots less).
         nesterov: Nesterov momentum for the outer step [True] (ignored when ``outer_momentum`` is 0).
+        fragments: F, fragments of the model, each with its own staggered outer round (Streaming DiLoCo, Douillard
+            et al., arXiv 2501.18512): an int (contiguous runs of the parameters of about equal size) or a list of
+            modules or parameter lists [1]. Must divide ``sync_every``.
+        overlap_steps: τ, Streaming DiLoCo's ``fragment_sync_delay``: a fragment's Mix2 starts τ inner steps before
+            its outer step and runs behind them [0: Mix2 blocks]; Mix2 then carries τ steps of delay (Mix1 stays
+            staleness-free). Must be < ``sync_every / fragments``.
+        merge_alpha: α, Streaming DiLoCo's ``fragment_update_alpha``: the fragment's parameters become
+            ``α·θ_local + (1 − α)·θ_outer`` after its outer step (its next round still starts from ``θ_outer``) [0].
+        outer_optimizer: None (SGD with Nesterov momentum, ``outer_lr``, ``outer_momentum``), ``"sgd"``,
+            ``"adam"``, ``"adamw"`` (built with ``outer_lr`` and ``outer_momentum`` as the first beta) or a callable
+            ``params -> torch.optim.Optimizer`` over the fp32 round-start parameters [None].
 
     Gossip:
         topology: ``"random"`` matching per gossip round, ``"exponential"``, ``"ring"`` or ``"allreduce"`` (exact
@@ -262,6 +314,14 @@ class FGDiLoCoConfig:
     mix1_codec: Any = setting("bf16", Choice(_codec_names, _codec_kind, "fgdiloco.factor.Codec"),
                               "Mix1's codec (a stateless value codec)", group="gossip")
     mix_momentum: bool = setting(True, Flag(), "Mix1 also carries the outer momentum buffers", group="gossip")
+    fragments: Any = setting(1, Fragments(), "F: fragments of the model with staggered outer rounds, one every H/F "
+                             "steps (Streaming DiLoCo); a list gives the fragments themselves")
+    overlap_steps: int = setting(0, Count(0, "inner steps"), "τ: a fragment's Mix2 starts this many inner steps "
+                                 "before its outer step; the inner steps go on meanwhile (< H/F)", unit="steps")
+    merge_alpha: float = setting(0.0, Number(0.0, 1.0, low_ok=True, high_ok=True), "α: after the outer step a "
+                                 "fragment becomes α·local + (1 − α)·outer (Streaming DiLoCo's merge)")
+    outer_optimizer: Any = setting(None, OuterOptimizerCheck(), "the outer optimizer: None (SGD with Nesterov "
+                                   "momentum), 'sgd', 'adam', 'adamw', or a callable params -> torch.optim.Optimizer")
     seed: int = setting(0, Integer("all 64 bits count"), "seed of the random gossip schedules (equal on all "
                         "workers)", group="gossip")
     # deadlines
@@ -298,6 +358,13 @@ class FGDiLoCoConfig:
             raise ValueError(f"mix1_codec={mix1!r} keeps per-worker state (warm starts or error feedback), which is "
                              "not safe for parameters; use a stateless value codec: 'dense' (lossless), 'bf16' "
                              "(default) or 'int8'")
+        count = self.fragments if isinstance(self.fragments, int) else len(self.fragments)
+        if self.sync_every % count:
+            raise ValueError(f"fragments={count} must divide sync_every={self.sync_every} (one fragment's outer "
+                             "round ends every sync_every / fragments inner steps)")
+        if self.overlap_steps >= self.sync_every // count:
+            raise ValueError(f"overlap_steps must be < sync_every / fragments = {self.sync_every // count} (a "
+                             f"fragment's Mix2 must end before the next fragment's starts), got {self.overlap_steps}")
         if self.codec is self.mix1_codec and not isinstance(self.codec, str):
             raise ValueError("codec and mix1_codec must be different Codec instances: a codec keeps per-tensor "
                              "state (error feedback, warm start) and the two mixes run in different threads")
@@ -385,7 +452,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, defaults: Mapping[str, Any
         default = defaults.get(f.name, f.default)
         kw: dict[str, Any] = {"dest": f.name, "default": default,
                               "help": m["help"] + (f"; {notes[f.name]}" if f.name in notes else "")}
-        if isinstance(check, Choice):
+        if hasattr(check, "names"):
             kw["choices"] = check.names()
         elif isinstance(check, Flag):
             kw["type"] = check.parse

@@ -147,3 +147,59 @@ def gossip_reference(
             bufs[k] = mixed_bufs[k] * outer_momentum + mixed_delta[k]
             theta[k] = mixed_theta[k] - outer_lr * (mixed_delta[k] + outer_momentum * bufs[k])
     return [[x[i] for x in theta] for i in range(m)]
+
+
+def streaming_reference(
+    init: list[dict[str, torch.Tensor]],
+    steps: int,
+    sync_every: int,
+    fragments: list[list[int]],
+    *,
+    overlap: int = 0,
+    alpha: float = 0.0,
+    outer_lr: float = 0.7,
+    outer_momentum: float = 0.9,
+) -> list[list[torch.Tensor]]:
+    """Streaming DiLoCo (Douillard et al., arXiv 2501.18512) as torchft schedules it, written plainly: fragment
+    ``e % F`` is synchronised after inner step ``(e + 1)·H/F``; its pseudo-gradient ``θ^t − θ_i`` is taken
+    ``overlap`` (τ) steps earlier; the exact mean goes through SGD with Nesterov momentum from the shared round-start
+    values; then each worker's fragment becomes ``lerp(θ_outer, θ_local, alpha)`` and the next round starts from
+    ``θ_outer``. Parameters of every worker after ``steps`` inner steps."""
+    m = len(init)
+    models, inners = [], []
+    for sd in init:
+        model = make_model()
+        model.load_state_dict(sd)
+        models.append(model)
+        inners.append(torch.optim.AdamW(model.parameters(), lr=INNER_LR))
+    theta0 = [p.detach().clone() for p in models[0].parameters()]  # shared: every worker starts from rank 0
+    for mdl in models:
+        with torch.no_grad():
+            for p, t in zip(mdl.parameters(), theta0):
+                p.copy_(t)
+    bufs = [torch.zeros_like(t) for t in theta0]
+    every = sync_every // len(fragments)
+    pending: dict[int, list[list[torch.Tensor]]] = {}
+    for s in range(1, steps + 1):
+        for i, (mdl, opt) in enumerate(zip(models, inners)):
+            loss_of(mdl, i, s - 1).backward()
+            opt.step()
+            opt.zero_grad()
+        event = s // every - 1 if s % every == 0 else None
+        if (s + overlap) % every == 0:  # take the pseudo-gradient of the fragment synced `overlap` steps from now
+            f = ((s + overlap) // every - 1) % len(fragments)
+            pending[f] = [[theta0[k] - list(mdl.parameters())[k].detach() for k in fragments[f]] for mdl in models]
+        if event is None:
+            continue
+        f = event % len(fragments)
+        deltas = pending.pop(f)
+        for j, k in enumerate(fragments[f]):
+            d = torch.stack([deltas[i][j] for i in range(m)]).mean(0)
+            bufs[k] = bufs[k] * outer_momentum + d
+            theta0[k] = theta0[k] - outer_lr * (d + outer_momentum * bufs[k])
+        for mdl in models:
+            params = list(mdl.parameters())
+            with torch.no_grad():
+                for k in fragments[f]:
+                    params[k].copy_(torch.lerp(theta0[k], params[k].detach(), alpha))
+    return [[p.detach().clone() for p in mdl.parameters()] for mdl in models]

@@ -138,10 +138,10 @@ def _exact_run(rank: int, world: int, broadcast_init: bool) -> dict:
     if rank == 3:  # a fault splits one replica: its outer step of round SPLIT_AT comes out slightly off
         real_commit = opt.outer.commit
 
-        def faulty_commit(theta, momentum):
+        def faulty_commit(indices, theta, merge_alpha=0.0):
             if opt.round == SPLIT_AT:
                 theta = [theta[0] + 1e-3, *theta[1:]]
-            real_commit(theta, momentum)
+            real_commit(indices, theta, merge_alpha)
 
         opt.outer.commit = faulty_commit
     digests, resynced, failed = [], [], []

@@ -1,26 +1,28 @@
-"""One outer round on one worker: :class:`Round`.
+"""One outer round of one fragment on one worker: :class:`Round`.
 
 Its life (``docs/design.md``, "the life of a round"):
 
-1. **start** (:meth:`Round.__init__`, at the round's first inner step, or right after the previous round's end):
-   Mix1 of the round-start values (parameters, and the outer momentum when Mix1 carries it) runs in a background
-   thread, and Mix2's pair exchanges are set up in the background (:meth:`fgdiloco.gossip.Mixer.prepare`);
-2. the H inner steps run meanwhile, from the *unmixed* round-start parameters;
-3. **finish** (:meth:`Round.finish`): the pseudo-gradient ``Δ = θ^t − θ`` goes through Mix2 (blocking), Mix1 is
-   waited for (normally long done), the outer step gives the next round-start values, which are **committed** to the
-   :class:`~fgdiloco.outer.state.OuterState` (and copied into the model), and the round's :class:`RoundStats` are
-   returned;
-4. or **discard** (:meth:`Round.discard`: a checkpoint is loaded, the worker rejoins or leaves): Mix1 is waited for
-   and dropped, and Mix2's prepared exchanges are given up (their peers fail them at once instead of waiting).
+1. **start** (:meth:`Round.__init__`, at the first inner step, or right after the fragment's previous round):
+   Mix1 of the fragment's round-start values (parameters, and the outer momentum when Mix1 carries it) runs in a
+   background thread, and Mix2's pair exchanges are set up in the background (:meth:`fgdiloco.gossip.Mixer.prepare`);
+2. the inner steps run meanwhile, from the *unmixed* round-start parameters;
+3. with ``overlap_steps`` τ > 0, :meth:`Round.start_mix2` starts Mix2 of the pseudo-gradient ``Δ = θ^t − θ`` τ inner
+   steps before the outer step, in the background (Streaming DiLoCo's overlap; Mix2 then carries τ steps of delay);
+4. **finish** (:meth:`Round.finish`): Mix2 (blocking when τ = 0) and Mix1 are waited for, the outer optimizer gives the
+   next round-start values, which are **committed** to the :class:`~fgdiloco.outer.state.OuterState` (the model's
+   parameters become them, or ``α·local + (1 − α)·outer`` with ``merge_alpha``), and the round's
+   :class:`RoundStats` are returned;
+5. or **discard** (:meth:`Round.discard`: a checkpoint is loaded, the worker rejoins or leaves): both mixes are
+   waited for and dropped, and Mix2's prepared exchanges are given up (their peers fail them at once instead of
+   waiting).
 
-The round's clock runs from its start to the end of its outer step, less the time spent inside
-``FGDiLoCo.paused()`` (:attr:`Round.paused`).
+The index of a round is the wrapper's outer-round counter at its end (one per fragment sync), which keys its
+exchanges, so every fragment meets its peers on keys of its own.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import torch
 
@@ -29,101 +31,119 @@ from ..runtime import Background
 from .state import OuterState
 from .stats import RoundStats
 
-__all__ = ["Round", "nesterov_step"]
-
-
-@torch.no_grad()
-def nesterov_step(theta: list[torch.Tensor], delta: list[torch.Tensor], momentum: list[torch.Tensor], *,
-                  lr: float, mu: float, nesterov: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The outer step on fp32 masters, ``torch.optim.SGD``'s rule (no dampening): ``m ← μ·m + Δ̄``;
-    ``θ ← θ̄ − η·(Δ̄ + μ·m)`` (Nesterov) or ``θ̄ − η·m``. Returns new lists ``(θ, m)``; nothing is changed in
-    place."""
-    new_theta, new_momentum = [], []
-    for t, d, m in zip(theta, delta, momentum):
-        if mu > 0:
-            m = m.mul(mu).add_(d)
-            step = d.add(m, alpha=mu) if nesterov else m
-        else:
-            step = d
-        new_theta.append(t.sub(step, alpha=lr))
-        new_momentum.append(m)
-    return new_theta, new_momentum
+__all__ = ["Round"]
 
 
 class Round:
-    """Outer round ``outer.round`` of one worker, from its start to its commit (see the module docstring).
+    """The outer round of the parameters ``indices`` (one fragment) that ends at outer round ``index``.
 
     Args:
-        outer: the worker's outer state (round-start values, counters).
+        outer: the worker's outer state (round-start values, outer optimizer, counters).
+        fragment: the fragment's number (in the stats).
+        indices: the fragment's parameter indices.
+        index: the outer round this round ends as (its exchanges' schedule index).
         mix1, mix2: the two mixes.
-        outer_step: ``(θ̄, Δ̄, m̄) -> (θ, m)`` (:func:`nesterov_step` with the wrapper's settings).
-        momentum_in_mix1: Mix1 carries the outer momentum as well.
-        exact: the exact topology: Mix1's collective (a digest check) must end before Mix2's starts, on every
-            worker, or the collectives of the two threads could interleave.
-        t0: when the round's clock starts (``time.perf_counter()``).
+        momentum_in_mix1: Mix1 carries the outer optimizer's state as well.
+        exact: the exact topology: a Mix1 collective must end before a Mix2 collective starts, on every worker, or
+            the collectives of two threads could interleave (the wrapper waits for every Mix1 first).
+        merge_alpha: α of the merge after the outer step.
+        after: a round whose Mix1 this one's waits for before it starts (the exact topology with fragments: the
+            rounds' Mix1 collectives run in the order the rounds were started, the same on every worker).
     """
 
-    def __init__(self, outer: OuterState, mix1: Mixer, mix2: Mixer,
-                 outer_step: Callable[..., tuple[list[torch.Tensor], list[torch.Tensor]]], *,
-                 momentum_in_mix1: bool, exact: bool, t0: float):
+    def __init__(self, outer: OuterState, fragment: int, indices: list[int], index: int, mix1: Mixer, mix2: Mixer,
+                 *, momentum_in_mix1: bool, exact: bool, merge_alpha: float, after: Round | None = None):
         self.outer = outer
-        self.index = outer.round
-        self.t0 = t0
-        self.paused = 0.0
-        self._mix2 = mix2
+        self.fragment = fragment
+        self.indices = indices
+        self.index = index
         self._mix1_mixer = mix1
-        self._outer_step = outer_step
+        self._mix2_mixer = mix2
         self._momentum_in_mix1 = momentum_in_mix1
         self._exact = exact
-        values = [t.clone() for t in outer.theta0]
+        self._alpha = merge_alpha
+        values = [outer.theta0[i].clone() for i in indices]
         if momentum_in_mix1:
-            values += [m.clone() for m in outer.momentum]
-        index = self.index
+            values += [m.clone() for m in outer.optimizer.state(indices)]
+
+        before = after._mix1 if after is not None else None
 
         def run_mix1() -> MixResult:
+            if before is not None:  # collectives in the same order on every worker
+                before.wait()
             with torch.no_grad():  # grad mode is per thread
                 return mix1.run(values, index)
 
         self._mix1 = Background(run_mix1, f"mix1-{index}")
+        self._mix2: Background | None = None
+        self._mix2_started = 0.0
+        #: the pseudo-gradient Mix2 is mixing in the background (a checkpoint keeps it: the resumed round mixes
+        #: the same one), or None
+        self.overlap_delta: list[torch.Tensor] | None = None
         mix2.prepare(index)
 
     def mix1_done(self) -> bool:
         """Whether Mix1 has finished (it overlaps the inner steps)."""
         return self._mix1.done()
 
-    def discard(self) -> None:
-        """Give the round up: wait for Mix1 and drop it; give up Mix2's prepared exchanges."""
-        self._mix1.settle()
-        self._mix1_mixer.discard_prepared()
-        self._mix2.discard_prepared()
+    def wait_mix1(self) -> None:
+        """Wait for Mix1 to end (its result is kept)."""
+        self._mix1.wait()
 
     @torch.no_grad()
-    def finish(self) -> RoundStats:
-        """Mix2 (blocking), wait for Mix1, the outer step, commit; returns the round's diagnostics."""
+    def _delta(self) -> list[torch.Tensor]:
+        return [self.outer.theta0[i] - self.outer.params[i].detach().to(torch.float32) for i in self.indices]
+
+    def start_mix2(self, delta: list[torch.Tensor] | None = None) -> None:
+        """Start Mix2 of the pseudo-gradient now, in the background (``overlap_steps`` before the outer step);
+        ``delta``: the one a checkpoint saved (:attr:`overlap_delta`), else the current one."""
+        delta = self._delta() if delta is None else delta
+        self.overlap_delta = delta
+        index, mixer = self.index, self._mix2_mixer
+
+        def run_mix2() -> MixResult:
+            with torch.no_grad():
+                return mixer.run(delta, index)
+
+        self._mix2_started = time.perf_counter()
+        self._mix2 = Background(run_mix2, f"mix2-{index}")
+
+    def discard(self) -> None:
+        """Give the round up: wait for its mixes and drop them; give up Mix2's prepared exchanges."""
+        self._mix1.settle()
+        if self._mix2 is not None:
+            self._mix2.settle()
+        self._mix1_mixer.discard_prepared()
+        self._mix2_mixer.discard_prepared()
+
+    @torch.no_grad()
+    def finish(self, t0: float, paused: float) -> RoundStats:
+        """Mix2 (blocking unless started early), wait for Mix1, the outer step, commit; returns the round's
+        diagnostics. ``t0`` / ``paused``: when the stretch of inner steps before this outer round began, and the
+        time spent paused since (the round's clock)."""
         outer = self.outer
         t_sync = time.perf_counter()
-        if self._exact:
-            self._mix1.result()
-        delta = [t - p.detach().to(torch.float32) for t, p in zip(outer.theta0, outer.params)]
-        mix2 = self._mix2.run(delta, self.index)
+        mix2 = self._mix2.result() if self._mix2 is not None else self._mix2_mixer.run(self._delta(), self.index)
         t_mix2 = time.perf_counter()
         mix1 = self._mix1.result()
         t_mix1 = time.perf_counter()
-        n = len(outer.params)
-        momentum = mix1.values[n:] if self._momentum_in_mix1 else outer.momentum
+        k = len(self.indices)
+        if self._momentum_in_mix1:
+            outer.optimizer.set_state(self.indices, mix1.values[k:])
         steps = outer.steps_in_round
-        theta, momentum = self._outer_step(mix1.values[:n], mix2.values, momentum)
-        outer.commit(theta, momentum)
+        theta = outer.optimizer.step(self.indices, mix1.values[:k], mix2.values)
+        outer.commit(self.indices, theta, self._alpha)
         t_end = time.perf_counter()
-        return self._stats(mix1, mix2, steps, t_sync, t_mix2, t_mix1, t_end)
+        return self._stats(mix1, mix2, steps, (t0, paused, t_sync, t_mix2, t_mix1, t_end))
 
-    def _stats(self, mix1: MixResult, mix2: MixResult, steps: int, t_sync: float, t_mix2: float, t_mix1: float,
-               t_end: float) -> RoundStats:
-        n = len(self.outer.params)
-        round_seconds = t_end - self.t0 - self.paused
+    def _stats(self, mix1: MixResult, mix2: MixResult, steps: int, times: tuple[float, ...]) -> RoundStats:
+        t0, paused, t_sync, t_mix2, t_mix1, t_end = times
+        k = len(self.indices)
+        round_seconds = t_end - t0 - paused
         inner_seconds = max(round_seconds - (t_end - t_sync), 0.0)
-        cons = mix1.distance(range(n))
-        cons_m = mix1.distance(range(n, 2 * n)) if self._momentum_in_mix1 else None
+        cons = mix1.distance(range(k))
+        state = self.outer.optimizer.state_per_param
+        cons_m = mix1.distance(range(k, k + k * state)) if self._momentum_in_mix1 and state else None
         cons_d = mix2.distance()
         return RoundStats(
             round=self.index,
@@ -151,6 +171,8 @@ class Round:
             mix1_deadline_seconds=mix1.deadline,
             resynced=mix1.resynced,
             rejoins=self.outer.rejoins,
+            fragment=self.fragment,
+            mix2_overlap_seconds=(t_sync - self._mix2_started) if self._mix2 is not None else 0.0,
             mix1_peers=mix1.peers,
             mix2_peers=mix2.peers,
             errors=mix1.errors + mix2.errors,

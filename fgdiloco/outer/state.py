@@ -17,15 +17,20 @@ import torch
 
 from ..factor.codec import Dense
 from ..factor.frame import FrameError, decode_frame, encode_frame
+from .optimizer import OuterOptimizer
 
 __all__ = ["OuterState", "STATE_VERSION", "validate_state"]
 
+# 4: + "fragments", "outer_optimizer" (a torch outer optimizer's state_dict, or None) and "overlap_delta" (the
+#    pseudo-gradient an overlapped Mix2 was mixing when the state was saved, or None);
 # 3: + the model's trainable parameters and buffers ("params", "buffers") and the key "generation";
 # 2: fp32 outer momentum owned by the wrapper ("momentum"); 1: outer momentum as a torch.optim.SGD state ("outer")
-STATE_VERSION = 3
+STATE_VERSION = 4
 _STATE_KEYS = ("version", "inner", "anchor", "round", "steps_in_round", "seed", "topology", "world_size", "rank",
                "fingerprint", "codec", "mix1_codec")
-_STATE_KEYS_BY_VERSION = {1: ("outer",), 2: ("momentum",), 3: ("momentum", "params", "buffers", "generation")}
+_STATE_KEYS_BY_VERSION = {1: ("outer",), 2: ("momentum",), 3: ("momentum", "params", "buffers", "generation"),
+                          4: ("momentum", "params", "buffers", "generation", "fragments", "outer_optimizer",
+                              "overlap_delta")}
 
 
 def _is_int(x: Any) -> bool:
@@ -33,61 +38,77 @@ def _is_int(x: Any) -> bool:
 
 
 class OuterState:
-    """Round-start parameters and outer momentum (fp32), counters and the generation of one worker.
+    """Round-start parameters (fp32), the outer optimizer (its state: the outer momentum), counters and the
+    generation of one worker.
 
     Args:
         params: the model's trainable parameters (the live tensors the inner optimizer steps).
+        optimizer: the outer optimizer (:mod:`fgdiloco.outer.optimizer`), over tensors shaped like ``params``.
         fingerprint: the parameter-layout fingerprint (checked in a peer's state frame).
         secret: the job secret authenticating state frames (None: unauthenticated).
         rank: this worker's rank (in logs).
         join_timeout: seconds a joiner waits for a live peer's state.
     """
 
-    def __init__(self, params: list[torch.Tensor], fingerprint: bytes, secret: bytes | None, rank: int,
-                 join_timeout: float):
+    def __init__(self, params: list[torch.Tensor], optimizer: OuterOptimizer, fingerprint: bytes,
+                 secret: bytes | None, rank: int, join_timeout: float):
         self.params = params
+        self.optimizer = optimizer
         self.fingerprint = fingerprint
         self.secret = secret
         self.rank = rank
         self.join_timeout = join_timeout
         with torch.no_grad():
             self.theta0 = [p.detach().to(torch.float32, copy=True) for p in params]
-            self.momentum = [torch.zeros_like(t) for t in self.theta0]
         self.round = 0
         self.steps_in_round = 0
         self.generation = 0
         self.fresh = True  # no state loaded: a worker joining a running job takes a live peer's state
         self.rejoins = 0
         self._lock = threading.Lock()
-        self._committed: tuple[int, list[torch.Tensor], list[torch.Tensor]] = (0, self.theta0, self.momentum)
+        self._committed: tuple[int, list[torch.Tensor]] = (0, self.theta0)
+
+    @property
+    def all(self) -> range:
+        return range(len(self.params))
+
+    @property
+    def momentum(self) -> list[torch.Tensor]:
+        """The outer optimizer's mixable state of every parameter (the outer momentum)."""
+        return self.optimizer.state(self.all)
 
     # ------------------------------------------------------------------ changes
     @torch.no_grad()
     def set(self, theta0: list[torch.Tensor], momentum: list[torch.Tensor], round: int, *,
             copy_to_params: bool = True) -> None:
-        """Start ``round`` from ``theta0`` / ``momentum`` (new lists; fp32 copies are made on the parameters'
-        devices), at its step 0; with ``copy_to_params`` the model's parameters are set to ``theta0``."""
+        """Start ``round`` from ``theta0`` / ``momentum`` (fp32 copies are made on the parameters' devices), at its
+        step 0; with ``copy_to_params`` the model's parameters are set to ``theta0``."""
         theta0 = [t.detach().to(device=p.device, dtype=torch.float32, copy=True) for t, p in zip(theta0, self.params)]
-        momentum = [m.detach().to(device=p.device, dtype=torch.float32, copy=True)
-                    for m, p in zip(momentum, self.params)]
+        like = [p for _ in range(self.optimizer.state_per_param) for p in self.params]
+        self.optimizer.set_state(self.all, [m.detach().to(device=p.device, dtype=torch.float32, copy=True)
+                                            for m, p in zip(momentum, like)])
         if copy_to_params:
             for p, t in zip(self.params, theta0):
                 p.copy_(t)
         with self._lock:
-            self.theta0, self.momentum, self.round, self.steps_in_round = theta0, momentum, int(round), 0
-            self._committed = (self.round, theta0, momentum)
+            self.theta0, self.round, self.steps_in_round = theta0, int(round), 0
+            self._committed = (self.round, theta0)
 
     @torch.no_grad()
-    def commit(self, theta0: list[torch.Tensor], momentum: list[torch.Tensor]) -> None:
-        """End the round: the next one starts from ``theta0`` / ``momentum`` (fresh fp32 tensors owned from now on),
-        and the model's parameters are set to it."""
-        for p, t in zip(self.params, theta0):
-            p.copy_(t)
+    def commit(self, indices: list[int], theta0: list[torch.Tensor], merge_alpha: float) -> None:
+        """End the round of the parameters ``indices``: their next round starts from ``theta0`` (fresh fp32 tensors
+        owned from now on), and the model's parameters become ``theta0``, or ``α·local + (1 − α)·theta0`` with
+        ``merge_alpha`` α (Streaming DiLoCo's merge; the round still starts from ``theta0``)."""
+        for i, t in zip(indices, theta0):
+            p = self.params[i]
+            p.copy_(t if merge_alpha == 0 else torch.lerp(t, p.detach().to(torch.float32), merge_alpha))
         with self._lock:
-            self.theta0, self.momentum = list(theta0), list(momentum)
+            self.theta0 = list(self.theta0)  # a new list: the committed snapshot handed to joiners stays as it was
+            for i, t in zip(indices, theta0):
+                self.theta0[i] = t
             self.round += 1
             self.steps_in_round = 0
-            self._committed = (self.round, self.theta0, self.momentum)
+            self._committed = (self.round, self.theta0)
 
     def jump(self, round: int) -> None:
         """Enter ``round`` from where this worker is (its current parameters become the round-start values)."""
@@ -96,11 +117,13 @@ class OuterState:
 
     # ------------------------------------------------------------------ state for joiners
     def committed_state(self) -> tuple[int, bytes]:
-        """``(round, payload)``: the last committed round-start parameters and outer momentum (fp32) as a checked
-        frame (authenticated with the job secret), preceded by the round as 8 bytes: what a joining peer adopts."""
+        """``(round, payload)``: the last committed round-start parameters and the outer momentum (fp32) as a
+        checked frame (authenticated with the job secret), preceded by the round as 8 bytes: what a joining peer
+        adopts."""
         with self._lock:
-            round_, theta0, momentum = self._committed
-        body, _ = Dense().encode(theta0 + momentum, stateful=False)
+            round_, theta0 = self._committed
+        tensors = theta0 + self.momentum
+        body, _ = Dense().encode(tensors, stateful=False)
         frame = encode_frame(Dense(), body, sender=self.rank, round=round_, fingerprint=self.fingerprint,
                              secret=self.secret)
         return round_, round_.to_bytes(8, "little") + frame
@@ -125,10 +148,13 @@ class OuterState:
 
     # ------------------------------------------------------------------ checkpoints
     def load(self, state: dict[str, Any], momentum: list[torch.Tensor], model: torch.nn.Module) -> None:
-        """Restore a validated ``state_dict`` (:func:`validate_state`): anchor, momentum, model parameters and
-        buffers, counters."""
+        """Restore a validated ``state_dict`` (:func:`validate_state`): anchor, outer optimizer, model parameters
+        and buffers, counters."""
         version = state["version"]
         with torch.no_grad():
+            if state.get("outer_optimizer") is not None:
+                self.optimizer.load_state_dict(state["outer_optimizer"])
+                momentum = self.momentum
             self.set(state["anchor"], momentum, int(state["round"]), copy_to_params=False)
             if version >= 3:
                 for p, saved in zip(self.params, state["params"]):
@@ -228,7 +254,8 @@ def validate_state(state: Any, *, expect: dict[str, Any], outer: OuterState, nam
                    model: torch.nn.Module, inner: torch.optim.Optimizer, sync_every: int) -> list[torch.Tensor]:
     """Check a ``state_dict`` against this worker without changing anything; returns its outer momentum (version
     1 states keep it as an SGD state). ``expect``: this worker's ``fingerprint``, ``rank``, ``world_size``,
-    ``codec`` and ``mix1_codec`` names, ``seed`` and ``topology`` name.
+    ``codec`` and ``mix1_codec`` names, ``seed``, ``topology`` name, ``fragments`` count and ``torch_outer`` (a torch
+    outer optimizer, whose state is its own ``state_dict``).
 
     Raises:
         ValueError: not a state dict of a known version, a missing key (named), another model layout, rank, world
@@ -240,11 +267,20 @@ def validate_state(state: Any, *, expect: dict[str, Any], outer: OuterState, nam
         raise ValueError(f"state dict 'round' must be an int >= 0, got {state['round']!r}")
     steps = state["steps_in_round"]
     if not _is_int(steps) or not 0 <= steps < sync_every:
-        raise ValueError(f"state dict 'steps_in_round' must be an int in [0, sync_every={sync_every}), "
-                         f"got {steps!r}")
+        raise ValueError(f"state dict 'steps_in_round' must be an int in [0, {sync_every}) (inner steps between "
+                         f"outer rounds), got {steps!r}")
     _check_tensors("anchor", state["anchor"], outer.theta0, names)
-    momentum = _saved_momentum(state, outer.theta0)
-    _check_tensors("outer" if version == 1 else "momentum", momentum, outer.theta0, names)
+    torch_outer = state.get("outer_optimizer") is not None
+    if version >= 4:
+        if state["fragments"] != expect["fragments"]:
+            raise ValueError(f"state dict was saved with fragments={state['fragments']!r}, this run uses "
+                             f"{expect['fragments']!r}")
+        if torch_outer != expect["torch_outer"]:
+            raise ValueError("state dict was saved with another kind of outer optimizer (a torch optimizer's state "
+                             "and the built-in Nesterov momentum do not load into each other)")
+    momentum = [] if torch_outer else _saved_momentum(state, outer.theta0)
+    if not torch_outer:
+        _check_tensors("outer" if version == 1 else "momentum", momentum, outer.theta0, names)
     if version >= 3:
         _check_tensors("params", state["params"], outer.params, names)
         _check_buffers(state, model)

@@ -14,7 +14,8 @@ class RoundStats:
 
     Attributes:
         round: index of the outer round that just finished (0-based).
-        inner_steps: inner optimizer steps in the round (= ``sync_every``).
+        inner_steps: inner optimizer steps since the previous outer round (``sync_every``, or ``sync_every /
+            fragments`` with fragments).
         round_seconds: wall time from the end of the previous outer step to the end of this one, less the time
             spent inside ``FGDiLoCo.paused()`` (evaluation, checkpointing).
         inner_seconds: ``round_seconds`` minus the time blocked in synchronisation: the time the worker spent
@@ -47,6 +48,10 @@ class RoundStats:
         resynced: the exact topology's Mix1 found replicas that differed and averaged them.
         rejoins: times this worker has (re)joined the job at its live round so far (:meth:`FGDiLoCo.rejoin`: after
             a restart, or after it fell ``CATCH_UP_ROUNDS`` behind, e.g. hung); elastic jobs only.
+        fragment: the fragment whose outer round this was (``fragments`` > 1: one round per fragment sync, every
+            ``sync_every / fragments`` inner steps; 0 otherwise).
+        mix2_overlap_seconds: how long Mix2 ran behind the inner steps before the outer step (``overlap_steps`` >
+            0; it is not in ``mix2_seconds``, which is only the blocking part).
         mix1_peers, mix2_peers: the peer of each gossip round (None: no peer, -1: all-reduce).
         errors: one line per failed or skipped exchange.
     """
@@ -76,6 +81,8 @@ class RoundStats:
     mix1_deadline_seconds: float | None = None
     resynced: bool = False
     rejoins: int = 0
+    fragment: int = 0
+    mix2_overlap_seconds: float = 0.0
     mix1_peers: list[int | None] = field(default_factory=list)
     mix2_peers: list[int | None] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)

@@ -19,7 +19,9 @@ from ..gossip.mix import MAX_RATIO, Mixer, PeerHealth
 from ..gossip.topology import Topology, make_topology
 from ..gossip.transport import DistributedTransport, Transport
 from ..mesh import ReplicaMesh
-from .round import Round, nesterov_step
+from .fragments import split_fragments
+from .optimizer import TorchOuter, build_outer
+from .round import Round
 from .state import STATE_VERSION, OuterState, validate_state
 from .stats import RoundStats
 
@@ -124,10 +126,12 @@ class FGDiLoCo:
         self.rank = self.transport.rank if self.transport else 0
         self.world_size = self.transport.world_size if self.transport else 1
         self._build_mixers()
-        self.outer = OuterState(self.params, self.fingerprint, self._mixer1.secret, self.rank,
-                                self.config.join_timeout)
-        self._round: Round | None = None
-        self._clock: tuple[float | None, float] = (None, 0.0)  # (t0, paused) of the round that starts next
+        self.fragments = split_fragments(self.config.fragments, self.param_names, self.params)
+        self.outer = OuterState(self.params, build_outer(self.config, self.params), self.fingerprint,
+                                self._mixer1.secret, self.rank, self.config.join_timeout)
+        self._rounds: dict[int, Round] = {}  # fragment -> its round in flight
+        self._resume_delta: list[torch.Tensor] | None = None  # a checkpoint's pseudo-gradient already in Mix2
+        self._clock: tuple[float | None, float] = (None, 0.0)  # since the last outer round: (t0, paused)
         self.last_round: RoundStats | None = None
         self.failed_exchanges_total = 0
         self.skipped_exchanges_total = 0
@@ -307,38 +311,58 @@ class FGDiLoCo:
         try:
             yield
         finally:
-            spent = time.perf_counter() - t0
-            if self._round is not None:
-                self._round.paused += spent
-            else:
-                self._clock = (self._clock[0], self._clock[1] + spent)
+            self._clock = (self._clock[0], self._clock[1] + time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ rounds
+    @property
+    def steps_per_round(self) -> int:
+        """Inner steps between two outer rounds: ``sync_every``, or ``sync_every / fragments`` (each fragment's
+        round still spans ``sync_every`` steps)."""
+        return self.config.sync_every // len(self.fragments)
+
+    @property
+    def _round(self) -> Round | None:
+        """The round that ends next (the current fragment's)."""
+        return self._rounds.get(self.outer.round % len(self.fragments))
+
     def _begin_round(self) -> None:
-        """Start the next outer round: the one place a round starts. The membership first lets a worker joining
-        a running job enter its live round."""
+        """Start every fragment's next outer round that is not in flight: the one place rounds start. The
+        membership first lets a worker joining a running job enter its live round."""
         self._check_parameters()
         rejoins = self.outer.rejoins
         if self.transport is not None:
             self.transport.membership.before_round(self.outer)
-        t0, paused = self._clock
-        if t0 is None or self.outer.rejoins != rejoins:  # a worker that jumped starts a fresh clock
-            t0, paused = time.perf_counter(), 0.0
-        c = self.config
-        step = lambda theta, delta, momentum: nesterov_step(  # noqa: E731
-            theta, delta, momentum, lr=c.outer_lr, mu=c.outer_momentum, nesterov=c.nesterov)
-        self._round = Round(self.outer, self._mixer1, self._mixer2, step, t0=t0, exact=self.topology.exact,
-                            momentum_in_mix1=c.mix_momentum or self.topology.exact)
-        self._round.paused = paused
-        self._clock = (None, 0.0)
+        if self.outer.rejoins != rejoins:  # it jumped: its rounds in flight were for other rounds; a fresh clock
+            self._end_round()
+            self._clock = (time.perf_counter(), 0.0)
+        if self._clock[0] is None:
+            self._clock = (time.perf_counter(), self._clock[1])
+        c, count, exact = self.config, len(self.fragments), self.topology.exact
+        for f, indices in enumerate(self.fragments):
+            if f not in self._rounds:
+                index = self.outer.round + (f - self.outer.round) % count  # this fragment's next outer round
+                after = max(self._rounds.values(), key=lambda r: r.index) if exact and self._rounds else None
+                self._rounds[f] = Round(self.outer, f, indices, index, self._mixer1, self._mixer2,
+                                        momentum_in_mix1=c.mix_momentum or exact, exact=exact,
+                                        merge_alpha=c.merge_alpha, after=after)
+        if self._resume_delta is not None:  # the loaded checkpoint was taken while this round's Mix2 ran
+            self._wait_mix1s()
+            self._round.start_mix2(self._resume_delta)
+            self._resume_delta = None
 
     def _end_round(self, *, keep_clock: bool = False) -> None:
-        """Give up the round in flight (its Mix1 waited for and dropped, its prepared exchanges declined)."""
-        if self._round is not None:
-            self._round.discard()
-            if keep_clock:
-                self._clock = (self._round.t0, self._round.paused)
-            self._round = None
+        """Give up the rounds in flight (their mixes waited for and dropped, their prepared exchanges declined)."""
+        for r in self._rounds.values():
+            r.discard()
+        self._rounds = {}
+        if not keep_clock:
+            self._clock = (None, 0.0)
+
+    def _wait_mix1s(self) -> None:
+        """The exact topology: every Mix1 collective ends before a Mix2 collective starts (on every worker alike)."""
+        if self.topology.exact:
+            for r in self._rounds.values():
+                r.wait_mix1()
 
     def rejoin(self) -> int:
         """Join the job at its live round (the newest outer round a peer has started), when that is ahead of this
@@ -367,19 +391,25 @@ class FGDiLoCo:
 
     def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.outer.steps_in_round += 1
-        if self.outer.steps_in_round >= self.config.sync_every:
+        tau = self.config.overlap_steps
+        if tau and self.outer.steps_in_round == self.steps_per_round - tau and self._round is not None:
+            self._wait_mix1s()
+            self._round.start_mix2()
+        if self.outer.steps_in_round >= self.steps_per_round:
             self.sync()
 
     def sync(self) -> RoundStats:
         """End the current outer round now (Mix2, wait for Mix1, outer step) and start the next one.
 
-        Called automatically after every ``sync_every``-th inner step; call it yourself only to end a round early.
-        Every worker must end the same rounds.
+        Called automatically after every ``sync_every``-th inner step (every ``sync_every / fragments``-th with
+        fragments: then it ends the current fragment's round); call it yourself only to end a round early. Every
+        worker must end the same rounds.
         """
         if self._round is None:
             self._begin_round()
-        stats = self._round.finish()
-        self._round = None
+        self._wait_mix1s()
+        t0, paused = self._clock
+        stats = self._rounds.pop(self.outer.round % len(self.fragments)).finish(t0, paused)
         self.failed_exchanges_total += stats.failed_exchanges
         self.skipped_exchanges_total += stats.skipped_exchanges
         self.out_of_scale_total += stats.out_of_scale
@@ -398,7 +428,11 @@ class FGDiLoCo:
         return {
             "version": STATE_VERSION,
             "inner": self.inner_optimizer.state_dict(),
-            "momentum": [m.detach().clone() for m in o.momentum],
+            "momentum": [] if isinstance(o.optimizer, TorchOuter) else [m.detach().clone() for m in o.momentum],
+            "outer_optimizer": o.optimizer.state_dict() if isinstance(o.optimizer, TorchOuter) else None,
+            "fragments": len(self.fragments),
+            "overlap_delta": None if self._round is None or self._round.overlap_delta is None else [
+                d.detach().clone() for d in self._round.overlap_delta],
             "anchor": [t.detach().clone() for t in o.theta0],
             "params": [p.detach().clone() for p in self.params],
             "buffers": {n: b.detach().clone() for n, b in self.model.named_buffers()},
@@ -440,9 +474,10 @@ class FGDiLoCo:
         """
         expect = {"fingerprint": self.fingerprint, "rank": self.rank, "world_size": self.world_size,
                   "codec": self.codec.name, "mix1_codec": self.mix1_codec.name, "seed": self.config.seed,
-                  "topology": self.topology.name}
+                  "topology": self.topology.name, "fragments": len(self.fragments),
+                  "torch_outer": isinstance(self.outer.optimizer, TorchOuter)}
         momentum = validate_state(state, expect=expect, outer=self.outer, names=self.param_names, model=self.model,
-                                  inner=self.inner_optimizer, sync_every=self.config.sync_every)
+                                  inner=self.inner_optimizer, sync_every=self.steps_per_round)
         # Things that can still fail on their own (codec and inner optimizer internals) go first, undone on failure.
         backup = (self.codec.state_dict(), self.mix1_codec.state_dict(), self.inner_optimizer.state_dict())
         try:
@@ -462,7 +497,10 @@ class FGDiLoCo:
             self.outer.generation = max(self.outer.generation, int(state.get("generation", 0))) + 1
         self._mixer1.generation = self._mixer2.generation = self.outer.generation
         self.outer.load(state, momentum, self.model)
-        self._clock = (None, 0.0)
+        saved = state.get("overlap_delta")
+        self._resume_delta = None if saved is None else [
+            d.detach().to(device=self.params[i].device, dtype=torch.float32)
+            for d, i in zip(saved, self.fragments[self.outer.round % len(self.fragments)])]
 
     def close(self) -> None:
         """Leave the job: wait for an in-flight Mix1, post a departure notice (every later exchange a peer attempts
@@ -472,8 +510,8 @@ class FGDiLoCo:
 
         Call it after the last round (or when the worker stops early, e.g. out of data, or on SIGTERM) and before
         ``destroy_process_group()``; it also runs at interpreter exit."""
-        if self._round is not None:
-            self._round._mix1.settle()
+        for r in self._rounds.values():
+            r.wait_mix1()
         if self.transport is not None:
             with contextlib.suppress(Exception):  # a store that is gone: peers find out through the heartbeat
                 self.transport.membership.leave()
