@@ -8,7 +8,11 @@ per worker every ``--checkpoint-every`` rounds (atomic), and loading it when tor
 restarted worker rejoins at the job's live round by itself (``opt.rejoin()`` runs at its first step).
 
 ``--crash-worker K --crash-round R`` makes worker K die (``os._exit``) at round R of its first life, to watch a
-restart and rejoin; ``--leave-worker K --leave-round R`` makes it leave early (``opt.close()``: a departure notice).
+restart and rejoin; ``--fail-at-start-worker K`` makes it die before it builds anything (in its first
+``--fail-at-start-lives`` lives); ``--leave-worker K --leave-round R`` makes it leave early (``opt.close()``: a
+departure notice). When the gossip store is out of reach for ``--store-timeout`` seconds, ``opt.step()`` raises
+``StoreUnreachable``: the worker stops with its last checkpoint, and ``fgdiloco launch --resume`` (the same command
+again) continues from it.
 ``--results DIR`` writes ``DIR/worker<k>.pid`` when a worker starts (kept afterwards) and ``DIR/worker<k>.json``
 (rounds trained, held-out loss, rejoins, failed exchanges and their messages) when it finishes.
 """
@@ -35,10 +39,15 @@ p.add_argument("--n-layer", type=int, default=2)
 p.add_argument("--n-embd", type=int, default=64)
 p.add_argument("--vocab-size", type=int, default=1024)
 p.add_argument("--timeout", type=float, default=60.0, help="seconds an exchange may take at most")
+p.add_argument("--store-timeout", type=float, default=60.0,
+               help="seconds to train on without the gossip store, then checkpoint and stop (resume later)")
 p.add_argument("--checkpoint-dir", default=None, help="write <dir>/worker<k>.pt (and resume from it)")
 p.add_argument("--checkpoint-every", type=int, default=1, help="rounds between checkpoints")
 p.add_argument("--crash-worker", type=int, default=None, help="this worker dies at --crash-round (first life)")
 p.add_argument("--crash-round", type=int, default=3)
+p.add_argument("--fail-at-start-worker", type=int, default=None,
+               help="this worker dies before it builds anything, in its first --fail-at-start-lives lives")
+p.add_argument("--fail-at-start-lives", type=int, default=1)
 p.add_argument("--leave-worker", type=int, default=None, help="this worker leaves (close()) at --leave-round")
 p.add_argument("--leave-round", type=int, default=3)
 p.add_argument("--results", default=None, help="write <dir>/worker<k>.json at the end")
@@ -47,6 +56,9 @@ args = p.parse_args()
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 worker = int(os.environ["FGDILOCO_WORKER"])  # fgdiloco launch sets it (and FGDILOCO_STORE, FGDILOCO_WORKERS)
 life = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun counts this worker's restarts
+if args.fail_at_start_worker == worker and life < args.fail_at_start_lives:
+    print(f"worker {worker}: failing at start (life {life}, --fail-at-start-worker)", flush=True)
+    os._exit(1)
 
 cache = data.cache_dir_for(args.data)  # built once by whoever gets there first; later workers load it
 text = data.load_text(args.data)
@@ -58,7 +70,8 @@ torch.manual_seed(0)  # the same initial model on every worker (an elastic job h
 model = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=args.block_size, n_layer=args.n_layer, n_head=4,
                       n_embd=args.n_embd, dropout=0.0))
 inner = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
-opt = FGDiLoCo(model, inner, sync_every=args.sync_every, outer_momentum=0.3, timeout=args.timeout, elastic=True)
+opt = FGDiLoCo(model, inner, sync_every=args.sync_every, outer_momentum=0.3, timeout=args.timeout,
+               store_timeout=args.store_timeout, elastic=True)
 gen = torch.Generator().manual_seed(1000 + worker)  # each worker samples its own batches
 
 ckpt = Path(args.checkpoint_dir) / f"worker{worker}.pt" if args.checkpoint_dir else None

@@ -508,7 +508,8 @@ def add_elastic_parsers(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "store", help="serve an elastic job's gossip store (a TCPStore no worker hosts) until stopped",
         description="Serve the gossip store of an elastic job: workers anywhere reach it with "
-                    "FGDILOCO_STORE=HOST:PORT. Stop it with Ctrl-C.",
+                    "FGDILOCO_STORE=HOST:PORT. The store runs in a child process that is restarted on the same port "
+                    "when it dies (the workers reconnect and re-publish their state). Stop it with Ctrl-C.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--host", default="0.0.0.0", help="interface to listen on")
     p.add_argument("--port", type=int, default=29400, help="TCP port (0: one the OS picks)")
@@ -529,6 +530,9 @@ def add_elastic_parsers(subparsers: Any) -> None:
     p.add_argument("--first-worker", type=int, default=0, help="slot of the first worker started here")
     p.add_argument("--job", default=None, help="the job's name on the store (several jobs may share one)")
     p.add_argument("--log-dir", default=None, help="write worker k's output to LOG_DIR/worker<k>.log")
+    p.add_argument("--resume", action="store_true",
+                   help="set FGDILOCO_RESUME=1 for the workers: a script that keeps checkpoints continues from them "
+                        "(e.g. after the workers stopped because the gossip store was out of reach)")
     p.add_argument("script", nargs=argparse.REMAINDER, help="train.py [ARGS] or -m MODULE [ARGS]")
     p.set_defaults(func=run_launch, subparser=p)
 
@@ -537,10 +541,10 @@ def run_store(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import signal
     import threading
 
-    from .elastic import GossipStore
+    from .elastic import SupervisedStore
 
     try:
-        store = GossipStore(args.host, args.port)
+        store = SupervisedStore(args.host, args.port)
     except (ValueError, RuntimeError) as e:
         print(f"{parser.prog}: error: cannot serve on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2
@@ -560,7 +564,7 @@ def run_launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     script = args.script[1:] if args.script[:1] == ["--"] else args.script
     try:
         failed = launch(script, args.workers, max_restarts=args.max_restarts, store=args.store, slots=args.slots,
-                        first_worker=args.first_worker, job=args.job, log_dir=args.log_dir)
+                        first_worker=args.first_worker, job=args.job, log_dir=args.log_dir, resume=args.resume)
     except ValueError as e:
         print(f"{parser.prog}: error: {_as_flag(str(e))}", file=sys.stderr)
         return 2

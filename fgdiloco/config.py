@@ -17,7 +17,9 @@ Deadlines are named for what they bound (seconds):
   never exceeds it);
 * ``liveness``: heartbeat silence after which a peer is taken for dead or hung (its partner stops waiting);
 * ``collective_timeout``: one collective of the exact (``"allreduce"``) topology;
-* ``stage_timeout``: one stage-to-stage transfer of a pipeline (:class:`fgdiloco.ReplicaMesh`).
+* ``stage_timeout``: one stage-to-stage transfer of a pipeline (:class:`fgdiloco.ReplicaMesh`);
+* ``store_timeout``: how long an elastic worker trains on without gossip while its gossip store is out of reach
+  (it reconnects meanwhile); then it stops with :class:`fgdiloco.elastic.StoreUnreachable`.
 
 ``timeout=`` is a shorthand: it sets ``join_timeout``, ``exchange_timeout``, ``collective_timeout`` and
 ``stage_timeout`` (each one not given explicitly), which is what the single ``timeout`` of earlier versions bounded.
@@ -274,9 +276,10 @@ class FGDiLoCoConfig:
         mix1_rounds: gossip rounds of Mix1 (the non-blocking parameter mix) per outer round [1].
         mix2_rounds: gossip rounds of Mix2 (the blocking pseudo-gradient mix) per outer round [1]; 0 makes the
             synchronisation fully non-blocking.
-        codec: Mix2's codec: a registered name (``"dense"``, ``"bf16"``, ``"int8"``, ``"lowrank"``) or a
-            :class:`~fgdiloco.factor.Codec` instance (used by one wrapper only: codecs keep per-tensor state)
-            ["dense"].
+        codec: Mix2's codec: a registered name (``"lowrank"``: factored low-rank pseudo-gradients, the point of this
+            library; ``"dense"``, ``"bf16"``, ``"int8"``) or a :class:`~fgdiloco.factor.Codec` instance (used by one
+            wrapper only: codecs keep per-tensor state) ["lowrank"]; ``"dense"`` is the better choice on fast links
+            with few workers (``docs/settings.md``).
         codec_rank: rank of a ``"lowrank"`` codec given by name [None: the codec's own default, 4].
         mix1_codec: Mix1's codec, a stateless value codec (``"dense"``, ``"bf16"``, ``"int8"``) ["bf16"].
         mix_momentum: Mix1 also carries the outer momentum buffers (twice Mix1's bytes, still hidden behind the
@@ -284,7 +287,8 @@ class FGDiLoCoConfig:
         seed: seed of the random gossip schedules (equal on every worker) [0].
 
     Deadlines (seconds; see the module docstring): ``join_timeout`` [60], ``exchange_timeout`` [60], ``liveness``
-    [5], ``collective_timeout`` [60], ``stage_timeout`` [60]; ``timeout=`` sets the four timeouts at once.
+    [5], ``collective_timeout`` [60], ``stage_timeout`` [60], ``store_timeout`` [60]; ``timeout=`` sets the first
+    four timeouts at once.
 
     Raises:
         TypeError, ValueError: a field of the wrong type or out of range; the message names the field and what is
@@ -306,7 +310,7 @@ class FGDiLoCoConfig:
     mix2_rounds: int = setting(1, Count(0, "gossip rounds of Mix2"),
                                "gossip rounds of Mix2 (blocking pseudo-gradient mix) per outer round",
                                group="gossip")
-    codec: Any = setting("dense", Choice(_codec_names, _codec_kind, "fgdiloco.factor.Codec"), "Mix2's codec",
+    codec: Any = setting("lowrank", Choice(_codec_names, _codec_kind, "fgdiloco.factor.Codec"), "Mix2's codec",
                          group="gossip")
     codec_rank: int | None = setting(None, Count(1, "rank of the low-rank codec"),
                                      "rank of a low-rank Mix2 codec given by name (default: the codec's own)",
@@ -335,6 +339,9 @@ class FGDiLoCoConfig:
     collective_timeout: float = setting(60.0, Seconds(), "one collective of the exact (allreduce) topology",
                                         unit="s", group="deadlines")
     stage_timeout: float = setting(60.0, Seconds(), "one stage-to-stage transfer of a pipeline", unit="s",
+                                   group="deadlines")
+    store_timeout: float = setting(60.0, Seconds(), "how long an elastic worker trains on without gossip while the "
+                                   "gossip store is out of reach; then it stops (StoreUnreachable)", unit="s",
                                    group="deadlines")
     timeout: InitVar[float | None] = None
 

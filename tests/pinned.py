@@ -72,7 +72,7 @@ def exact(tmp: str) -> list[Any]:
     """Exact DiLoCo (``topology="allreduce"``, lossless) on 4 ranks."""
     from fgdiloco.testing import run_ranks
 
-    return run_ranks(_worker, 4, tmp, {"topology": "allreduce"})
+    return run_ranks(_worker, 4, tmp, {"topology": "allreduce", "codec": "dense"})
 
 
 def gossip_lowrank(tmp: str) -> list[Any]:
@@ -91,7 +91,7 @@ def _pipeline_worker(rank: int, world: int) -> list[dict[str, Any]]:
     full = make_model(seed=0)
     stage = [torch.nn.Sequential(full[0], full[1]), torch.nn.Sequential(full[2])][mesh.stage]
     opt = FGDiLoCo(stage, torch.optim.AdamW(stage.parameters(), lr=INNER_LR), sync_every=H, timeout=30.0,
-                   mesh=mesh, seed=1)
+                   mesh=mesh, seed=1, codec="dense")
     pipe = Pipeline(stage, mesh, F.mse_loss, 2, "1f1b")
     out = []
     step = 0
@@ -123,7 +123,7 @@ def lightning(tmp: str) -> list[Any]:
     from tests.test_lightning import _launch
 
     results = _launch(Path(tmp) / "pl", "--sync-every", "3", "--samples", "96", "--batch-size", "8",
-                      "--max-epochs", "2", devices=2)
+                      "--max-epochs", "2", "--codec", "dense", devices=2)
     return [[{"round": i + 1, "loss": None, "params": checksum([p])} for i, p in enumerate(r["round_params"])]
             for r in results]
 
@@ -136,7 +136,7 @@ def _elastic_worker(rank: int, world: int, address: str) -> list[dict[str, Any]]
 
     model = make_model(seed=0)
     opt = FGDiLoCo(model, torch.optim.AdamW(model.parameters(), lr=INNER_LR), sync_every=H, timeout=30.0,
-                   elastic=True, seed=2)
+                   elastic=True, seed=2, codec="dense")
     try:
         return _train_rounds(opt, model, rank)
     finally:
@@ -179,7 +179,7 @@ def pretrain_group(tmp: str) -> list[Any]:
     from fgdiloco.testing import run_ranks
 
     out = []
-    for kw in ({"topology": "ring", "codec": "lowrank"}, {"stages": 2, "microbatches": 2}):
+    for kw in ({"topology": "ring", "codec": "lowrank"}, {"stages": 2, "microbatches": 2, "codec": "dense"}):
         cfg = _pretrain_config(tmp, **kw, out=str(Path(tmp) / f"out{len(out)}"))
         run_ranks(_pretrain_worker, 4, tmp, cfg, timeout=300)
         out.append(_pretrain_rows(Path(cfg.out)))
@@ -194,7 +194,7 @@ def pretrain_elastic(tmp: str) -> list[Any]:
     args = ["--workers", "4", "--steps", "24", "--sync-every", "4", "--n-layer", "2", "--n-head", "2", "--n-embd",
             "32", "--batch-size", "4", "--block-size", "32", "--vocab-size", "384", "--lr", "0.01",
             "--warmup-steps", "4", "--eval-batches", "2", "--data", cfg.data, "--cache-dir", cfg.cache_dir,
-            "--out", cfg.out, "--timeout", "30", "--quiet"]
+            "--out", cfg.out, "--timeout", "30", "--codec", "dense", "--quiet"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     subprocess.run([sys.executable, "-m", "fgdiloco", "pretrain", *args], check=True, env=env, timeout=600,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

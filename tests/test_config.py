@@ -22,7 +22,7 @@ FIELDS = {f.name: f for f in dataclasses.fields(FGDiLoCoConfig)}
 
 def test_defaults_are_valid_and_the_object_is_frozen():
     c = FGDiLoCoConfig()
-    assert c.sync_every == 50 and c.codec == "dense" and c.liveness == 5.0
+    assert c.sync_every == 50 and c.codec == "lowrank" and c.liveness == 5.0
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.sync_every = 3  # type: ignore[misc]
     assert FGDiLoCoConfig.sync_every == 50  # each default readable where it is written

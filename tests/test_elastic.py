@@ -97,7 +97,7 @@ BAD_STATES = {
     "negative round": (lambda s: s.update(round=-1), r"'round' must be an int >= 0"),
     "inner groups": (lambda s: s["inner"]["param_groups"][0]["params"].pop(),
                      r"'inner' has parameter groups of sizes \[3\], the inner optimizer \[4\]"),
-    "codec": (lambda s: s["codec"].update(name="int8"), r"saved with codec='int8', this run uses 'dense'"),
+    "codec": (lambda s: s["codec"].update(name="int8"), r"saved with codec='int8', this run uses 'lowrank'"),
     "seed": (lambda s: s.update(seed=5), r"seed=5, this run uses seed=0"),
     "topology": (lambda s: s.update(topology="ring"), r"topology='ring', this run uses 'random'"),
     "layout": (lambda s: s.update(fingerprint=b"\0" * 8), r"another model layout"),

@@ -166,3 +166,89 @@ def test_hang_join_and_leave_never_stall_the_others(env, tmp_path):
     peers = [got[k]["held_out_loss"] for k in (0, 1, 3)]
     assert got[4]["held_out_loss"] <= 1.03 * max(peers), (got[4]["held_out_loss"], peers)
     assert elapsed < 200
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of the children of ``pid``."""
+    out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [(int(line.split(None, 1)[0]), line.split(None, 1)[1]) for line in out.splitlines() if line.strip()]
+
+
+def test_a_killed_store_is_restarted_a_spare_slot_never_stalls_and_every_life_is_counted(env, tmp_path):
+    """``fgdiloco launch`` with a spare slot (5 slots, 4 workers): the store's process is SIGKILLed mid-run and
+    restarted by the launcher (the workers reconnect, re-publish and train on); worker 2 dies in its first life
+    before it builds anything (counted as a restart); nobody waits out a timeout (no round-1 stall for the spare
+    slot, no exchange timing out across the store's restart)."""
+    e = dict(env, FGDILOCO_MIN_WORKERS="4")
+    cmd = [sys.executable, "-m", "fgdiloco", "launch", "--workers", "4", "--slots", "5", "--max-restarts", "2",
+           "--log-dir", str(tmp_path / "logs"), SCRIPT, *ARGS, "--rounds", "80", "--sync-every", "20", "--results",
+           str(tmp_path / "res"), "--fail-at-start-worker", "2"]
+    proc = subprocess.Popen(cmd, env=e, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _wait_for(lambda: _last_round(tmp_path, 0) >= 8, "worker 0's round 8")
+    stores = [p for p, args in _children(proc.pid) if "fgdiloco.elastic.serve" in args]
+    assert len(stores) == 1, _children(proc.pid)
+    os.kill(stores[0], signal.SIGKILL)
+    said = _finish(proc, timeout=300)
+    assert "the gossip store on localhost:" in said and "died (exit -9) and was restarted" in said, said
+    assert "4 of 4 workers finished, 1 restart(s) (worker 2: 1)" in said, said
+    got = _results(tmp_path / "res")
+    assert sorted(got) == [0, 1, 2, 3] and all(w["final_round"] == 80 for w in got.values()), got
+    everything = [e for w in got.values() for e in w["errors"]]
+    assert not [e for e in everything if "within 20" in e or "after 20" in e], everything  # no full timeouts
+    assert any("gossip store" in e for e in everything), everything  # the outage was met: skipped exchanges
+    assert "answers again after" in _log(tmp_path, 0)
+    losses = [w["held_out_loss"] for w in got.values()]
+    assert max(losses) <= 1.03 * min(losses), losses
+
+
+def test_refused_workers_and_a_store_gone_for_good_end_with_one_line_each_and_resume_continues(env, tmp_path):
+    """On a store served by ``fgdiloco store``: a second process for a slot that is held, and a worker with another
+    model, are refused (their launch exits 1 naming why); then the store dies for good: the workers stop after
+    ``--store-timeout`` with their checkpoints and their launch exits 1 naming the store; a new store and
+    ``--resume`` (the same command again) finish the job."""
+
+    def serve(port: int = 0) -> tuple[subprocess.Popen, int]:
+        p = subprocess.Popen([sys.executable, "-m", "fgdiloco", "store", "--port", str(port)], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        line = p.stdout.readline()
+        return p, int(line.split(" on ")[1].split(":")[1].split()[0])
+
+    store, port = serve()
+    address = f"localhost:{port}"
+    common = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--store-timeout", "6", "--rounds", "300"]
+    e = dict(env, FGDILOCO_MIN_WORKERS="2")  # slot 2 is for the refused worker: do not wait for it
+    main = _launch(e, tmp_path, *common, workers=2, store=address, slots=3)
+    _wait_for(lambda: _last_round(tmp_path, 1) >= 2, "worker 1's round 2")
+    twin = subprocess.run([sys.executable, "-m", "fgdiloco", "launch", "--store", address, "--slots", "3",
+                           "--first-worker", "1", "--workers", "1", "--max-restarts", "2", SCRIPT, *ARGS, *common],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert twin.returncode == 1, twin.stdout + twin.stderr
+    assert "worker 1 was refused: slot 1 of job 'default' is held by a live worker" in twin.stderr, twin.stderr
+    other = subprocess.run([sys.executable, "-m", "fgdiloco", "launch", "--store", address, "--slots", "3",
+                            "--first-worker", "2", "--workers", "1", "--max-restarts", "2", SCRIPT, *ARGS,
+                            "--n-embd", "48", *common], env=env, cwd=tmp_path, capture_output=True, text=True,
+                           timeout=120)
+    assert other.returncode == 1 and "worker 2 was refused: this worker's model has another" in other.stderr, other
+    os.killpg(store.pid, signal.SIGKILL)  # the store and its supervisor: gone for good
+    store.wait()
+    t0 = time.monotonic()
+    out, _ = main.communicate(timeout=120)
+    assert main.returncode == 1, out
+    assert f"workers [0, 1] stopped: the gossip store at {address} was out of reach for too long" in out, out
+    assert time.monotonic() - t0 < 60  # store_timeout 6 s, plus a round and the exit
+    stopped = [_last_round(tmp_path, k) for k in (0, 1)]
+    log0 = _log(tmp_path, 0)
+    assert "has been out of reach for" in log0
+    assert log0.count("[c10d]") < 30, log0[-3000:]  # a few lines of c10d's own, not a flood
+    store, _ = serve(port)
+    try:
+        again = _launch(e, tmp_path, *common[:-2], "--rounds", str(max(stopped) + 4), workers=2, store=address,
+                        slots=3)
+        again_out = _finish(again, timeout=200)
+    finally:
+        os.killpg(store.pid, signal.SIGTERM)
+        store.wait(timeout=30)
+    assert "2 of 2 workers finished" in again_out, again_out
+    got = _results(tmp_path / "res")
+    assert got[0]["final_round"] == got[1]["final_round"] == max(stopped) + 4
+    assert "resumed from" in _log(tmp_path, 0)

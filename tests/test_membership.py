@@ -13,12 +13,27 @@ import torch
 import torch.distributed as dist
 
 from fgdiloco import FGDiLoCo
-from fgdiloco.elastic import ElasticMembership, GossipStore, connect, settings
+from fgdiloco.elastic import (
+    AdmissionError,
+    ElasticMembership,
+    GossipStore,
+    SlotTaken,
+    StoreUnreachable,
+    connect,
+    settings,
+)
 from fgdiloco.factor import Dense
 from fgdiloco.gossip.mix import Mixer, PeerHealth
 from fgdiloco.gossip.topology import make_topology
 from fgdiloco.gossip.transport import DistributedTransport, PeerDeclined
 from fgdiloco.runtime import Background, drain_background
+
+
+@pytest.fixture(autouse=True)
+def _torchrun_job(monkeypatch):
+    """Every process of a test is 'the same torchrun job' unless a test says otherwise: taking a slot back is then a
+    restart (at once), as under torchrun."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test-job")
 
 
 @pytest.fixture
@@ -66,9 +81,13 @@ def test_an_elastic_membership_checks_its_arguments(store):
             ElasticMembership(c, args["rank"], args["world_size"], args["namespace"])
 
 
-def test_connect_waits_for_the_first_workers_and_names_the_missing(store):
-    with pytest.raises(TimeoutError, match=r"missing slots: \[1\]"):
-        connect(store.address, 0, 2, wait=0.5)
+def test_connect_waits_a_bounded_time_for_the_first_workers_and_names_the_missing(store, caplog):
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="fgdiloco"):
+        early = connect(store.address, 0, 2, wait=0.5)  # slot 1 never comes: it starts without it
+    assert time.monotonic() - t0 < 5.0 and "starts without slot(s) [1]" in caplog.text
+    early.membership.leave()  # gives the slot up at once
+    early.close()
     got = {}
     t = threading.Thread(target=lambda: got.setdefault(1, connect(store.address, 1, 2, wait=10)))
     t.start()
@@ -82,6 +101,71 @@ def test_connect_waits_for_the_first_workers_and_names_the_missing(store):
         connect("127.0.0.1:1", 0, 1, timeout=1.0)
     a.close()
     got[1].close()
+
+
+def test_a_second_process_on_a_held_slot_is_refused_and_a_restart_or_a_dead_holders_slot_is_taken(store,
+                                                                                                  monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+    a = connect(store.address, 0, 2, min_workers=1)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-b")
+    t0 = time.monotonic()
+    with pytest.raises(SlotTaken, match=r"slot 0 of job 'default' is held by a live worker \(torchrun job job-a\)"):
+        connect(store.address, 0, 2, min_workers=1)
+    assert time.monotonic() - t0 < 3.0  # the holder's heartbeat moved: no need to wait out liveness
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")  # a restart of the holder's own torchrun job
+    again = connect(store.address, 0, 2, min_workers=1)
+    assert again.membership.incarnation == a.membership.incarnation + 1
+    a.close(), again.close()  # no departure notice: the holder is dead once its heartbeat stops
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-b")
+    t0 = time.monotonic()
+    b = connect(store.address, 0, 2, min_workers=1, liveness=1.0)
+    assert time.monotonic() - t0 >= 1.0  # it waited for the dead holder's heartbeat to stay still
+    b.close()
+
+
+def test_a_worker_with_another_model_or_secret_is_refused_when_it_connects(store):
+    a = connect(store.address, 0, 2, min_workers=1, fingerprint=b"12345678", secret=b"s3cret")
+    with pytest.raises(AdmissionError, match="another parameter layout"):
+        connect(store.address, 1, 2, min_workers=1, fingerprint=b"87654321", secret=b"s3cret")
+    with pytest.raises(AdmissionError, match="job secret differs"):
+        connect(store.address, 1, 2, min_workers=1, fingerprint=b"12345678", secret=b"other")
+    with pytest.raises(AdmissionError, match="job secret differs"):
+        connect(store.address, 1, 2, min_workers=1, fingerprint=b"12345678", secret=None)
+    b = connect(store.address, 1, 2, min_workers=1, fingerprint=b"12345678", secret=b"s3cret")
+    a.close(), b.close()
+
+
+def test_a_restarted_store_is_reconnected_and_refilled_and_a_store_gone_for_good_stops_the_worker():
+    server = GossipStore("127.0.0.1", 0)
+    port = server.port
+    a = connect(f"127.0.0.1:{port}", 0, 2, min_workers=2, wait=0.0, store_timeout=3.0, fingerprint=b"f" * 8)
+    b = connect(f"127.0.0.1:{port}", 1, 2, min_workers=2, store_timeout=3.0, fingerprint=b"f" * 8)
+    a.membership.publish_round(5)
+    server.close()
+    t0 = time.monotonic()
+    while not a.membership.unreachable and time.monotonic() - t0 < 5:
+        time.sleep(0.05)
+    assert a.membership.unreachable
+    mixer = Mixer("mix2", make_topology("ring", 2, 0), a, Dense(), 1, b"\0" * 8, 5.0)
+    t1 = time.monotonic()
+    res = mixer.run([torch.zeros(3)], 6)
+    assert (res.failed, res.skipped) == (0, 1) and time.monotonic() - t1 < 0.5  # skipped at once, no timeout
+    server = GossipStore("127.0.0.1", port)  # the launcher restarts it, empty
+    t0 = time.monotonic()
+    while (a.membership.unreachable or b.membership.unreachable) and time.monotonic() - t0 < 10:
+        time.sleep(0.05)
+    assert not a.membership.unreachable and not b.membership.unreachable
+    fresh = dist.TCPStore("127.0.0.1", port, is_master=False)
+    assert fresh.get("fgdiloco/default/fingerprint") == (b"f" * 8).hex().encode()  # the job's keys are back
+    assert b.membership.peer_round(0) == 5 and a.membership.joined() == [0, 1]
+    server.close()
+    while not a.membership.unreachable:
+        time.sleep(0.05)
+    a.membership.check_reachable()  # not yet too long
+    time.sleep(3.5)
+    with pytest.raises(StoreUnreachable, match=rf"the gossip store at 127.0.0.1:{port} has been out of reach"):
+        a.membership.check_reachable()
+    a.close(), b.close()
 
 
 def test_an_absent_slot_is_skipped_at_once(store):

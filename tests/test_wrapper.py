@@ -28,9 +28,9 @@ def _train(rank: int, world: int, rounds: int, kwargs: dict) -> list[list[float]
     return [p.detach().flatten().tolist() for p in model.parameters()]
 
 
-def test_allreduce_without_codec_is_diloco(tmp_path):
+def test_allreduce_with_the_lossless_codec_is_diloco(tmp_path):
     rounds, m = 3, 4
-    results = run_ranks(_train, m, tmp_path, rounds, {"topology": "allreduce"})
+    results = run_ranks(_train, m, tmp_path, rounds, {"topology": "allreduce", "codec": "dense"})
     init = make_model(seed=0).state_dict()
     want = diloco_reference([init] * m, rounds, H)
     for rank, got in enumerate(results):
@@ -48,7 +48,7 @@ def test_gossip_run_trains_and_replicas_differ_between_exact_rounds(tmp_path):
 def _stats_run(rank: int, world: int, mix_momentum: bool) -> dict:
     model = make_model(seed=rank)  # different starts: Mix1 has work to do
     opt = FGDiLoCo(model, torch.optim.AdamW(model.parameters(), lr=INNER_LR), sync_every=H, topology="exponential",
-                   broadcast_init=False, timeout=20.0, mix_momentum=mix_momentum)
+                   broadcast_init=False, timeout=20.0, mix_momentum=mix_momentum, codec="dense")
     for step in range(3 * H):
         loss_of(model, rank, step).backward()
         opt.step()
@@ -95,7 +95,8 @@ def test_mix1_overlaps_the_inner_steps_and_the_outer_step_uses_mixed_round_start
             model = make_model()
             model.load_state_dict(inits[rank])
             opt = FGDiLoCo(model, torch.optim.AdamW(model.parameters(), lr=INNER_LR), sync_every=H,
-                           topology="random", mix1_codec="dense", transport=hub.transport(rank), timeout=30.0)
+                           topology="random", codec="dense", mix1_codec="dense", transport=hub.transport(rank),
+                           timeout=30.0)
             for step in range(H):
                 loss_of(model, rank, step).backward()
                 if step == H - 1:

@@ -30,19 +30,23 @@ or by hand, on several machines::
 """
 
 from .launch import (
-           JOB_ENV,
-           MIN_WORKERS_ENV,
-           STORE_ENV,
-           WORKER_ENV,
-           WORKERS_ENV,
-           connect,
-           launch,
-           settings,
-           torchrun_command,
+    JOB_ENV,
+    MIN_WORKERS_ENV,
+    RESUME_ENV,
+    STORE_ENV,
+    WORKER_ENV,
+    WORKERS_ENV,
+    AdmissionError,
+    connect,
+    launch,
+    settings,
+    torchrun_command,
 )
-from .membership import ElasticMembership
+from .membership import ElasticMembership, SlotTaken, StoreUnreachable
 from .rejoin import CATCH_UP_ROUNDS
-from .store import GossipStore
+from .store import GossipStore, SupervisedStore
 
-__all__ = ["CATCH_UP_ROUNDS", "JOB_ENV", "MIN_WORKERS_ENV", "STORE_ENV", "WORKER_ENV", "WORKERS_ENV",
-           "ElasticMembership", "GossipStore", "connect", "launch", "settings", "torchrun_command"]
+__all__ = ["AdmissionError", "CATCH_UP_ROUNDS", "JOB_ENV", "MIN_WORKERS_ENV", "RESUME_ENV", "STORE_ENV", "WORKER_ENV",
+           "WORKERS_ENV",
+           "ElasticMembership", "GossipStore", "SlotTaken", "StoreUnreachable", "SupervisedStore", "connect", "launch",
+           "settings", "torchrun_command"]

@@ -4,11 +4,15 @@ and :func:`launch` of local workers, each its own ``torchrun`` job (see :mod:`fg
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
+import json
 import logging
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -19,7 +23,7 @@ import torch.distributed as dist
 from ..config import FGDiLoCoConfig
 from ..gossip.transport import DistributedTransport
 from .membership import ElasticMembership
-from .store import GossipStore
+from .store import SupervisedStore
 
 __all__ = ["STORE_ENV", "WORKER_ENV", "WORKERS_ENV", "JOB_ENV", "MIN_WORKERS_ENV", "connect", "launch", "settings",
            "torchrun_command"]
@@ -31,6 +35,8 @@ WORKER_ENV = "FGDILOCO_WORKER"  # this worker's slot, 0 .. workers - 1
 WORKERS_ENV = "FGDILOCO_WORKERS"  # the job's worker slots
 JOB_ENV = "FGDILOCO_JOB"  # the job's name on the store (several jobs may share one store); default "default"
 MIN_WORKERS_ENV = "FGDILOCO_MIN_WORKERS"  # slots that must have joined before the first round (default: all)
+RESUME_ENV = "FGDILOCO_RESUME"  # "1": continue from the worker's own checkpoints (fgdiloco launch --resume)
+LIVES_ENV = "FGDILOCO_LIVES_FILE"  # where fgdiloco.elastic.life counts a worker's lives
 
 
 def _parse_address(address: str, what: str) -> tuple[str, int]:
@@ -88,58 +94,98 @@ def settings(address: str | None = None, worker: int | None = None, workers: int
 
 def connect(address: str | None = None, worker: int | None = None, workers: int | None = None, *,
             job: str | None = None, min_workers: int | None = None, timeout: float = FGDiLoCoConfig.join_timeout,
-            liveness: float = FGDiLoCoConfig.liveness, wait: float = 600.0) -> DistributedTransport:
+            liveness: float = FGDiLoCoConfig.liveness, store_timeout: float = FGDiLoCoConfig.store_timeout,
+            wait: float | None = None, fingerprint: bytes | None = None,
+            secret: bytes | None = None) -> DistributedTransport:
     """Join the elastic job on its gossip store; returns this worker's transport, over an
     :class:`~fgdiloco.elastic.ElasticMembership` of its slot (``FGDiLoCo(elastic=True)`` calls it with its
-    ``join_timeout`` and ``liveness``). ``timeout``: seconds to reach the store and for each exchange's peer to
-    arrive.
+    settings and its model's layout fingerprint). ``timeout``: seconds to reach the store and for each exchange's
+    peer to arrive.
 
-    Arguments default to the environment (:func:`settings`). The first workers wait (at most ``wait`` seconds)
-    until ``min_workers`` slots (default: all) have joined, so that no one spends round 0 with an empty partner
-    slot; a worker that restarts or joins later finds them there and goes on at once.
+    Arguments default to the environment (:func:`settings`). Admission: every worker of a job must have the same slot
+    count, model layout (``fingerprint``) and job secret (``secret``: only an HMAC of it goes to the store); the
+    first worker's are the job's. The first workers wait (at most ``wait`` seconds, default ``timeout``) until
+    ``min_workers`` slots (default: all) have joined, so that no one spends round 0 with an empty partner slot; after
+    that they start without the missing slots (a warning names them; those slots join later, or never: their
+    exchanges are skipped at once).
 
     Raises:
-        ValueError / TypeError: a setting missing or out of range (see :func:`settings`), or a slot count other
-            than the job's (the first worker's).
-        TimeoutError: the store cannot be reached within ``timeout`` seconds, or the first ``min_workers`` did not
-            all join within ``wait`` seconds (the message names the missing slots).
+        ValueError / TypeError: a setting missing or out of range (see :func:`settings`).
+        AdmissionError: a slot count, model layout or job secret other than the job's (the first worker's).
+        SlotTaken: another live process holds this worker's slot.
+        TimeoutError: the store cannot be reached within ``timeout`` seconds.
     """
     s = settings(address, worker, workers, job=job, min_workers=min_workers)
+    host, port = str(s["host"]), int(s["port"])
     try:
-        store = dist.TCPStore(str(s["host"]), int(s["port"]), is_master=False,
-                              timeout=datetime.timedelta(seconds=timeout), use_libuv=True)
+        store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout),
+                              use_libuv=True)
     except Exception as e:  # noqa: BLE001 - c10d raises RuntimeError/DistStoreError for every failure to connect
-        raise TimeoutError(f"cannot reach the gossip store at {s['host']}:{s['port']} (${STORE_ENV}) within "
+        raise TimeoutError(f"cannot reach the gossip store at {host}:{port} (${STORE_ENV}) within "
                            f"{timeout:g} s: {type(e).__name__}: {e}") from e
-    slots_key, mine = f"fgdiloco/{s['job']}/slots", str(s["workers"]).encode()
-    agreed = store.compare_set(slots_key, "", mine)  # the first worker of the job sets it
-    if agreed != mine:
-        raise ValueError(f"workers (${WORKERS_ENV}) is {s['workers']} here but the job {s['job']!r} on this store "
-                         f"has {agreed.decode()} slots: every worker of a job must use the same")
+    keys = _admit(store, str(s["job"]), int(s["workers"]), fingerprint, secret)
     membership = ElasticMembership(store, int(s["worker"]), int(s["workers"]), f"fgdiloco/{s['job']}",
-                                   liveness=liveness)
+                                   liveness=liveness, address=(host, port), store_timeout=store_timeout,
+                                   job_keys=keys)
     transport = DistributedTransport(membership=membership, join_timeout=timeout, liveness=liveness)
-    t0, want = time.monotonic(), int(s["min_workers"])
+    t0, want, wait = time.monotonic(), int(s["min_workers"]), timeout if wait is None else wait
     while True:
         joined = membership.joined()
         if len(joined) >= want:
             break
         if time.monotonic() - t0 > wait:
             missing = sorted(set(range(int(s["workers"]))) - set(joined))
-            transport.close()
-            raise TimeoutError(f"only {len(joined)} of the {want} first workers joined within {wait:g} s "
-                               f"(missing slots: {missing[:10]})")
+            log.warning("fgdiloco: worker %d starts without slot(s) %s: only %d of the %d first workers joined "
+                        "within %g s (they join later, or their exchanges are skipped)", membership.rank,
+                        missing[:10], len(joined), want, wait)
+            break
         time.sleep(0.1)
     log.info("fgdiloco: worker %d of %d joined job %r on %s:%d (incarnation %d)", transport.rank,
-             transport.world_size, s["job"], s["host"], s["port"], membership.incarnation)
+             transport.world_size, s["job"], host, port, membership.incarnation)
     return transport
 
 
-def torchrun_command(script: Sequence[str], *, max_restarts: int, monitor_interval: float = 0.5) -> list[str]:
+class AdmissionError(ValueError):
+    """A worker whose slot count, model layout or job secret differs from its job's (the first worker's)."""
+
+
+def _admit(store: dist.Store, job: str, workers: int, fingerprint: bytes | None,
+           secret: bytes | None) -> dict[str, bytes]:
+    """Check this worker against the job's slot count, model layout and secret (the first worker's); returns the
+    job keys (re-published to a restarted store).
+
+    Raises:
+        AdmissionError: one of them differs (the message says which and what to do).
+    """
+    tag = b"none" if secret is None else hmac.new(secret, b"fgdiloco job secret", hashlib.sha256).hexdigest().encode()
+    checks = [("slots", str(workers).encode(), lambda theirs: f"workers (${WORKERS_ENV}) is {workers} here but the job "
+                                                              f"{job!r} on this store has {theirs} slots: every worker "
+                                                              "of a job must use the same")]
+    if fingerprint is not None:
+        checks.append(("fingerprint", fingerprint.hex().encode(), lambda theirs: "this worker's model has another "
+                       f"parameter layout (fingerprint {fingerprint.hex()}) than the job {job!r} ({theirs}): every "
+                       "worker must build the same model"))
+    checks.append(("secret", tag, lambda theirs: f"this worker's job secret differs from the job {job!r}'s "
+                   "(FGDILOCO_SECRET / FGDILOCO_SECRET_FILE): every worker must use the same, or none"))
+    keys = {}
+    for name, mine, message in checks:
+        key = f"fgdiloco/{job}/{name}"
+        agreed = store.compare_set(key, "", mine)  # the first worker of the job sets it
+        if agreed != mine:
+            raise AdmissionError(message(agreed.decode()))
+        keys[key] = mine
+    return keys
+
+
+def torchrun_command(script: Sequence[str], *, max_restarts: int, monitor_interval: float = 0.5,
+                     life: bool = True) -> list[str]:
     """The command that runs one worker as its own single-process ``torchrun`` job (``--standalone``: a private
-    rendezvous on a free port, so the jobs never meet each other's agents)."""
+    rendezvous on a free port, so the jobs never meet each other's agents). ``life``: through
+    :mod:`fgdiloco.elastic.life`, which counts every life torchrun starts and ends a worker that must stop for good
+    without a restart."""
+    shim = ["-m", "fgdiloco.elastic.life"] if life else []
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=1",
-            f"--max-restarts={max_restarts}", f"--monitor-interval={monitor_interval}", *script]
+            f"--max-restarts={max_restarts}", f"--monitor-interval={monitor_interval}", *shim, *script]
 
 
 def _check_launch(script: Sequence[str], workers: Any, max_restarts: Any, store: str | None, slots: Any,
@@ -161,18 +207,30 @@ def _check_launch(script: Sequence[str], workers: Any, max_restarts: Any, store:
 
 
 def _run_workers(script: Sequence[str], slots: range, base: Mapping[str, str], max_restarts: int,
-                 logs: Path | None) -> list[int]:
-    """Start one torchrun job per slot and wait for all of them; their exit codes. Ctrl-C reaches every agent."""
+                 logs: Path | None, lives_dir: Path) -> list[int]:
+    """Start one torchrun job per slot and wait for all of them; their exit codes. A worker that fails for good
+    while others run is named at once. Ctrl-C reaches every agent."""
     procs: list[subprocess.Popen[bytes]] = []
     files = []
     try:
         for k in slots:
             out = open(logs / f"worker{k}.log", "ab") if logs is not None else None  # noqa: SIM115 - closed below
             files.append(out)
-            procs.append(subprocess.Popen(torchrun_command(script, max_restarts=max_restarts),
-                                          env={**base, WORKER_ENV: str(k)}, stdout=out,
+            env = {**base, WORKER_ENV: str(k), LIVES_ENV: str(lives_dir / f"worker{k}.lives")}  # elastic.life's
+            procs.append(subprocess.Popen(torchrun_command(script, max_restarts=max_restarts), env=env, stdout=out,
                                           stderr=subprocess.STDOUT if out is not None else None))
-        return [p.wait() for p in procs]
+        told: set[int] = set()
+        while len(told) < len(procs):
+            for k, p in zip(slots, procs):
+                if k not in told and p.poll() is not None:
+                    told.add(k)
+                    if p.returncode != 0 and len(told) < len(procs):
+                        where = f"; its output: {logs / f'worker{k}.log'}" if logs is not None else ""
+                        print(f"[fgdiloco] launch: worker {k} failed for good (exit {p.returncode}, after "
+                              f"{max_restarts} restarts); the others go on without its slot{where}",
+                              file=sys.stderr, flush=True)
+            time.sleep(0.2)
+        return [p.returncode for p in procs]
     except KeyboardInterrupt:
         for p in procs:  # the terminal sent SIGINT to the whole group; make sure every agent hears it
             if p.poll() is None:
@@ -189,12 +247,52 @@ def _run_workers(script: Sequence[str], slots: range, base: Mapping[str, str], m
                 f.close()
 
 
+def lives(path: Path) -> tuple[int, dict[str, Any] | None]:
+    """What a worker's lives file (:mod:`fgdiloco.elastic.life`) says: the lives torchrun started, and the
+    ``stop`` record of a worker that stopped for good (None: it did not)."""
+    try:
+        records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return 0, None
+    stops = [r for r in records if r.get("event") == "stop"]
+    return sum(r.get("event") == "start" for r in records), (stops[-1] if stops else None)
+
+
+def _report(slots: range, codes: list[int], logs: Path, max_restarts: int, address: str) -> int:
+    """Print the launch's last line; returns the number of workers that did not finish."""
+    per = {k: lives(logs / f"worker{k}.lives") for k in slots}
+    restarts = {k: max(n - 1, 0) for k, (n, _) in per.items()}
+    failed = [k for k, c in zip(slots, codes) if c != 0]
+    stopped = {k: stop for k, (_, stop) in per.items() if stop is not None and k not in failed}
+    done = len(codes) - len(failed) - len(stopped)
+    parts = [f"{done} of {len(codes)} workers finished, {sum(restarts.values())} restart(s)"
+             + (f" ({', '.join(f'worker {k}: {n}' for k, n in restarts.items() if n)})" if any(restarts.values())
+                else "")]
+    if failed:
+        parts.append(f"workers {failed} failed for good (after {max_restarts} restarts each; see their logs)")
+    gone = sorted(k for k, st in stopped.items() if st.get("kind") == "store")
+    if gone:
+        parts.append(f"workers {gone} stopped: the gossip store at {address} was out of reach for too long "
+                     "(continue with --resume)")
+    for k, st in sorted(stopped.items()):
+        if st.get("kind") != "store":
+            parts.append(f"worker {k} was refused: {st.get('reason')}")
+    print("[fgdiloco] launch: " + "; ".join(parts), file=sys.stderr, flush=True)
+    return len(failed) + len(stopped)
+
+
 def launch(script: Sequence[str], workers: int, *, max_restarts: int = 3, store: str | None = None,
            slots: int | None = None, first_worker: int = 0, job: str | None = None,
-           log_dir: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+           log_dir: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None,
+           resume: bool = False) -> int:
     """Run ``workers`` workers of ``script`` (``["train.py", "--arg", ...]`` or ``["-m", "pkg.mod", ...]``), each
     as its own ``torchrun`` job with ``max_restarts`` restarts, until every one has ended; returns the number of
-    workers that failed for good (0: all finished).
+    workers that did not finish (failed for good, refused, or stopped because the gossip store was out of reach;
+    0: all finished). The last line counts the restarts (every life torchrun started, :mod:`fgdiloco.elastic.life`)
+    and names every worker that did not finish and why.
+
+    The gossip store served here (``store=None``) runs in a child process that is restarted when it dies
+    (:class:`~fgdiloco.elastic.SupervisedStore`); the workers reconnect and re-publish their state.
 
     Args:
         store: ``HOST:PORT`` of a running gossip store (``fgdiloco store``); None: serve one here.
@@ -204,12 +302,14 @@ def launch(script: Sequence[str], workers: int, *, max_restarts: int = 3, store:
         job: the job's name on the store.
         log_dir: each worker's output goes to ``<log_dir>/worker<k>.log`` (None: the terminal).
         env: extra environment for the workers (``OMP_NUM_THREADS`` defaults to 1).
+        resume: set ``FGDILOCO_RESUME=1`` for the workers: a script that keeps checkpoints continues from them
+            (after a stop for the store, for instance).
 
     Raises:
         ValueError: an argument out of range (named), or a script that is not a file.
     """
     slots = _check_launch(script, workers, max_restarts, store, slots, first_worker)
-    served = GossipStore() if store is None else None
+    served = SupervisedStore() if store is None else None
     address = served.address if served is not None else store
     base = dict(os.environ)
     base.setdefault("OMP_NUM_THREADS", "1")
@@ -219,19 +319,22 @@ def launch(script: Sequence[str], workers: int, *, max_restarts: int = 3, store:
         base.setdefault(MIN_WORKERS_ENV, str(first_worker + workers))
     if job is not None:
         base[JOB_ENV] = job
-    logs = Path(log_dir) if log_dir is not None else None
-    if logs is not None:
+    if resume:
+        base[RESUME_ENV] = "1"
+    with tempfile.TemporaryDirectory(prefix="fgdiloco-launch-") as tmp:
+        logs = Path(log_dir) if log_dir is not None else Path(tmp)
         logs.mkdir(parents=True, exist_ok=True)
-    print(f"[fgdiloco] launch: workers {first_worker}..{first_worker + workers - 1} of {slots} slots on the gossip "
-          f"store {address}, each its own torchrun job (max {max_restarts} restarts)"
-          + (f"; their output goes to {logs}/worker<k>.log" if logs is not None else ""), file=sys.stderr, flush=True)
-    try:
-        codes = _run_workers(script, range(first_worker, first_worker + workers), base, max_restarts, logs)
-    finally:
-        if served is not None:
-            served.close()
-    failed = [first_worker + i for i, c in enumerate(codes) if c != 0]
-    print(f"[fgdiloco] launch: {workers - len(failed)} of {workers} workers finished"
-          + (f"; workers {failed} failed for good (after {max_restarts} restarts each)" if failed else ""),
-          file=sys.stderr, flush=True)
-    return len(failed)
+        for k in range(first_worker, first_worker + workers):  # this launch's lives only
+            (logs / f"worker{k}.lives").unlink(missing_ok=True)
+        print(f"[fgdiloco] launch: workers {first_worker}..{first_worker + workers - 1} of {slots} slots on the "
+              f"gossip store {address}, each its own torchrun job (max {max_restarts} restarts)"
+              + (f"; their output goes to {logs}/worker<k>.log" if log_dir is not None else ""), file=sys.stderr,
+              flush=True)
+        workers_range = range(first_worker, first_worker + workers)
+        try:
+            codes = _run_workers(script, workers_range, base, max_restarts, logs if log_dir is not None else None,
+                                 logs)
+        finally:
+            if served is not None:
+                served.close()
+        return _report(workers_range, codes, logs, max_restarts, address)

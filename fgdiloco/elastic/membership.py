@@ -15,12 +15,25 @@
   with its last committed round-start state. When the claimer dies before sending, the joiner asks again and
   another live peer answers.
 
+* **Owners.** A slot is held by one torchrun job at a time (its ``TORCHELASTIC_RUN_ID``: a restart of the same job
+  takes the slot back at once). A second process claiming a slot whose holder is alive is refused
+  (:class:`SlotTaken`); one whose holder is dead (no heartbeat for ``liveness``) or departed takes it over.
+* **The store is soft state.** When the store stops answering, gossip stops (exchanges are skipped at once) and the
+  worker trains on; every heartbeat tries to reconnect, and on success the worker re-publishes what is its own
+  (slot counters, incarnation, round, owner, the job's admission keys), so a restarted store is whole again after a
+  beat. After ``store_timeout`` seconds out of reach the next round start raises :class:`StoreUnreachable`.
+
 Every slot's keys are created by the first worker to connect, so a round start reads all slots at once
 (``multi_get``: one store round trip whatever the slot count).
 """
 
 from __future__ import annotations
 
+import datetime
+import logging
+import os
+import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,9 +44,20 @@ import torch.distributed as dist
 from ..config import HEARTBEAT_SECONDS, FGDiLoCoConfig
 from ..gossip.membership import StoreMembership
 
-__all__ = ["ElasticMembership"]
+__all__ = ["ElasticMembership", "SlotTaken", "StoreUnreachable"]
 
-_KINDS = ("alive", "left", "incarnation", "round", "suspect")  # per-slot counters, created for every slot at once
+log = logging.getLogger("fgdiloco")
+
+
+class SlotTaken(RuntimeError):
+    """Another live process holds this worker's slot (a second process started with an index already in use)."""
+
+
+class StoreUnreachable(RuntimeError):
+    """The gossip store has been out of reach for longer than ``store_timeout``: the worker should checkpoint and
+    stop (``--resume`` continues once a store is back)."""
+
+_KINDS = ("alive", "left", "incarnation", "round", "suspect")  # per-slot counters, made for every slot at once
 
 
 def read_counters(store: dist.Store, keys: Sequence[str]) -> list[int]:
@@ -61,7 +85,8 @@ class ElasticMembership(StoreMembership):
     """
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, namespace: str, *,
-                 liveness: float = FGDiLoCoConfig.liveness):
+                 liveness: float = FGDiLoCoConfig.liveness, address: tuple[str, int] | None = None,
+                 store_timeout: float = FGDiLoCoConfig.store_timeout, job_keys: dict[str, bytes] | None = None):
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1 (the job's worker slots), got {world_size!r}")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -73,11 +98,18 @@ class ElasticMembership(StoreMembership):
         self._source: Callable[[], tuple[int, bytes] | None] | None = None
         self._serve_lock = threading.Lock()
         self._request = 0  # the sequence number of this worker's newest state request
-        self.rejoins = 0
+        self._address = address
+        self.store_timeout = float(store_timeout)
+        self._job_keys = dict(job_keys or {})  # key -> value every worker of the job agrees on (re-published)
+        self._owner = os.environ.get("TORCHELASTIC_RUN_ID") or secrets.token_hex(8)
+        self._last_attempt = 0.0
+        #: set on reconnecting: the next round start joins the live round even one round behind
+        self.resync = False
+        self.round_now = 0  # the round this worker is in (published again to a restarted store)
         super().__init__(store, rank, world_size, namespace, liveness=liveness)
 
     # ------------------------------------------------------------------ slots and incarnations
-    def _register(self, store: dist.Store) -> None:
+    def _make_slots(self, store: dist.Store) -> None:
         if store.add(f"{self.namespace}/slots-made", 1) == 1:  # the first worker creates every slot's counters
             for r in range(self.world_size):
                 for kind in _KINDS:
@@ -85,10 +117,30 @@ class ElasticMembership(StoreMembership):
             store.set(f"{self.namespace}/slots-ready", b"1")
         else:
             store.wait([f"{self.namespace}/slots-ready"])
+
+    def _register(self, store: dist.Store) -> None:
+        self._make_slots(store)
+        self._claim(store)
         self.incarnation = store.add(self._key("incarnation", self.rank), 1)
         if store.add(self._key("left", self.rank), 0) > 0:  # a predecessor's departure notice is not ours
             store.set(self._key("left", self.rank), "0")
         self._published = store.add(self._key("round", self.rank), 0)
+
+    def _claim(self, store: dist.Store) -> None:
+        """Take this slot, unless another live process holds it (:class:`SlotTaken`)."""
+        key = self._key("owner", self.rank)
+        holder = store.compare_set(key, "", self._owner).decode()
+        if holder in ("", self._owner):
+            return
+        alive, left = self._key("alive", self.rank), self._key("left", self.rank)
+        if store.add(left, 0) == 0:  # a holder that left with a notice gives the slot up at once
+            beat, t_end = store.add(alive, 0), time.monotonic() + self.liveness
+            while time.monotonic() < t_end:
+                time.sleep(HEARTBEAT_SECONDS)
+                if store.add(alive, 0) != beat:
+                    raise SlotTaken(f"slot {self.rank} of job {self.namespace.split('/', 1)[-1]!r} is held by a live "
+                                    f"worker (torchrun job {holder}): start this one with a free FGDILOCO_WORKER")
+        store.set(key, self._owner)  # the holder is gone: take the slot over
 
     def _incarnation_of(self, peer: int) -> int:
         with self._lock:
@@ -102,13 +154,16 @@ class ElasticMembership(StoreMembership):
     def _slot_verdict(self, store: dist.Store, peer: int, beat: int) -> str | None:
         if beat == 0:
             return "absent"
-        if store.add(self._key("incarnation", peer), 0) != self._incarnation_of(peer):
+        now = store.add(self._key("incarnation", peer), 0)  # 0: a restarted store the peer has not refilled yet
+        if now not in (0, self._incarnation_of(peer)):
             return "restarted"
         return None
 
     def returned(self, peer: int) -> bool:
         with self.stores.lease() as store:
             now = store.add(self._key("incarnation", peer), 0)
+        if now == 0:  # never joined, or a restarted store it has not refilled yet: nothing new about it
+            return False
         with self._lock:
             before = self._incarnations.get(peer)
             self._incarnations[peer] = now
@@ -171,9 +226,58 @@ class ElasticMembership(StoreMembership):
         self._source = source
 
     def _tick(self) -> None:
+        if self.unreachable and self._address is not None:
+            self._reconnect()
+            if self.unreachable:  # no beats on a dead connection: each failed store call logs a c10d warning
+                return
         super()._tick()
-        if self._source is not None:
+        if self._source is not None and not self.unreachable:
             self.answer_requests(self._beat_store)
+
+    def _reconnect(self) -> None:
+        """Connect anew to the store's address (at most once a second) and re-publish this worker's own state."""
+        now = time.monotonic()
+        if now - self._last_attempt < 1.0:
+            return
+        self._last_attempt = now
+        host, port = self._address
+        try:  # a plain TCP connect first: a TCPStore client that cannot connect logs c10d errors every time
+            with socket.create_connection((host, port), timeout=1.0):
+                pass
+            fresh = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=2), use_libuv=True)
+        except Exception:  # noqa: BLE001 - still away: try again at a later beat
+            return
+        self.stores.replace(fresh, [self._beat_store])
+        self._beat_store = self.stores.acquire()
+        self.epoch += 1
+        self.resync = True  # the workers went on alone meanwhile, each at its own pace: meet at the live round
+        try:
+            self._republish(self._beat_store)
+        except Exception as err:  # noqa: BLE001 - it went away again: the next beat notices
+            log.debug("fgdiloco: re-publishing to the gossip store failed: %s", err)
+            return
+        self._store_ok()
+
+    def _republish(self, store: dist.Store) -> None:
+        """Put this worker's soft state back (a restarted store starts empty; one that only was unreachable keeps
+        it, and this changes nothing there)."""
+        for key, value in self._job_keys.items():
+            store.compare_set(key, "", value)
+        self._make_slots(store)
+        store.compare_set(self._key("owner", self.rank), "", self._owner)
+        for kind, value in (("incarnation", self.incarnation), ("round", self.round_now)):
+            key = self._key(kind, self.rank)
+            self._published = store.add(key, value - store.add(key, 0))
+        with self._lock:
+            self._seen.clear()  # heartbeats restart from 0 on a new store
+
+    def check_reachable(self) -> None:
+        """Raise :class:`StoreUnreachable` once the store has been out of reach for ``store_timeout`` seconds."""
+        if self.down_since is not None and time.monotonic() - self.down_since > self.store_timeout:
+            where = f" at {self._address[0]}:{self._address[1]}" if self._address else ""
+            raise StoreUnreachable(f"the gossip store{where} has been out of reach for "
+                                   f"{time.monotonic() - self.down_since:.0f} s (store_timeout "
+                                   f"{self.store_timeout:g} s): stopping this worker")
 
     def answer_requests(self, store: dist.Store) -> int:
         """Answer the state requests not answered yet (one store read when there are none); returns how many this
@@ -235,7 +339,10 @@ class ElasticMembership(StoreMembership):
     def before_round(self, outer: Any) -> None:
         from .rejoin import before_round
 
-        before_round(self, outer)
+        self.round_now = outer.round  # what a restarted store learns when this worker refills it
+        self.check_reachable()
+        if not self.unreachable:
+            before_round(self, outer)
 
     def rejoin(self, outer: Any) -> None:
         from .rejoin import rejoin

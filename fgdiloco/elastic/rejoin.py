@@ -9,7 +9,10 @@ Called by :class:`~fgdiloco.elastic.ElasticMembership` before every outer round 
   claim the request), so it does not pull its partners back to the initial model;
 * a joined worker that finds itself :data:`CATCH_UP_ROUNDS` behind the peers' *median* round (it hung, or its peers
   went on without it) jumps to the live round, starting it from its own parameters. The median, not the newest: a
-  worker that lost a few seconds to a dead peer while two others went on is waited for, not moved.
+  worker that lost a few seconds to a dead peer while two others went on is waited for, not moved;
+* after the gossip store came back (``membership.resync``), when every worker trained on alone at its own pace, a
+  worker behind the live round at all jumps there, so the workers meet again at once instead of the ahead ones
+  waiting out their join deadline for the others.
 
 Every jump is counted (``outer.rejoins``, ``RoundStats.rejoins``) and logged.
 """
@@ -33,7 +36,9 @@ def before_round(membership: Any, outer: Any) -> None:
     """Before an outer round starts: join (or catch up with) the live round, then publish the round and answer
     joiners from now on."""
     joined = getattr(membership, "_joined", False)
-    _catch_up(membership, outer, CATCH_UP_ROUNDS if joined else 1, adopt=not joined and outer.fresh)
+    behind = 1 if not joined or getattr(membership, "resync", False) else CATCH_UP_ROUNDS
+    membership.resync = False
+    _catch_up(membership, outer, behind, adopt=not joined and outer.fresh)
     membership._joined = True
     membership.serve(outer.committed_state)
     with contextlib.suppress(Exception):  # a store we cannot reach: peers see an older round

@@ -22,6 +22,7 @@ TCPStore).
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -34,27 +35,43 @@ from ..runtime import Service
 
 __all__ = ["Membership", "StoreMembership", "StorePool", "SUSPECT_SECONDS"]
 
+log = logging.getLogger("fgdiloco")
+
 #: Liveness of a peer that another worker already saw reset its connections (a dead process), seconds.
 SUSPECT_SECONDS = 2.0
 
 
 class StorePool:
-    """Store connections handed to one user at a time (a clone costs ~0.2 s on a TCPStore, so they are reused)."""
+    """Store connections handed to one user at a time (a clone costs ~0.2 s on a TCPStore, so they are reused).
+    :meth:`replace` swaps in a new connection to a restarted store; connections to the old one are dropped as they
+    come back."""
 
     def __init__(self, store: dist.Store, warm: int = 2):
         self._base = store
         self._free = [store.clone() for _ in range(warm)]
         self._lock = threading.Lock()
+        self._old: set[int] = set()  # ids of connections to a store that was replaced
 
     def acquire(self) -> dist.Store:
         with self._lock:
             if self._free:
                 return self._free.pop()
-        return self._base.clone()
+            base = self._base
+        return base.clone()
 
     def release(self, store: dist.Store) -> None:
         with self._lock:
+            if id(store) in self._old:
+                self._old.discard(id(store))
+                return
             self._free.append(store)
+
+    def replace(self, store: dist.Store, in_use: list[dist.Store]) -> None:
+        """Use ``store`` from now on; ``in_use``: connections leased now, dropped when released."""
+        with self._lock:
+            self._base = store
+            self._free = []
+            self._old |= {id(s) for s in in_use}
 
     @contextlib.contextmanager
     def lease(self) -> Iterator[dist.Store]:
@@ -99,6 +116,11 @@ class Membership:
     def suspect(self, peer: int) -> None:  # noqa: B027 - optional
         """Tell the job that ``peer``'s connection was reset (it is probably dead): others wait less for it."""
 
+    #: whether the job's store is out of reach now (exchanges are skipped at once meanwhile)
+    unreachable = False
+    #: how many times the store was reconnected to (exchanges set up before a reconnect are set up anew)
+    epoch = 0
+
     def leave(self) -> None:  # noqa: B027 - optional
         """Post this worker's departure notice: every later exchange a peer attempts with it ends at once."""
 
@@ -137,6 +159,8 @@ class StoreMembership(Membership):
         self.liveness = float(liveness)
         self.stores = StorePool(store)
         self._seen: dict[int, tuple[int, float]] = {}  # peer -> (heartbeat value, when it last changed)
+        self.down_since: float | None = None  # when the store stopped answering (None: it answers)
+        self._misses, self._last_try = 0, 0.0
         self._left: set[int] = set()
         self._lock = threading.Lock()
         self._beat_store = self.stores.acquire()
@@ -151,7 +175,37 @@ class StoreMembership(Membership):
         return f"{self.namespace}/{kind}/{rank}"
 
     def _tick(self) -> None:
-        self._beat_store.add(self._key("alive", self.rank), 1)
+        if self.down_since is not None:  # a store that is gone: try again less and less often (each failed call
+            wait = min(HEARTBEAT_SECONDS * 2 ** self._misses, 5.0)  # logs a c10d warning), at most every 5 s
+            if time.monotonic() - self._last_try < wait:
+                return
+        self._last_try = time.monotonic()
+        try:
+            self._beat_store.add(self._key("alive", self.rank), 1)
+        except Exception as err:  # noqa: BLE001 - c10d raises DistNetworkError/RuntimeError for a store that is gone
+            self._misses += 1
+            self._store_failed(err)
+            return
+        self._misses = 0
+        self._store_ok()
+
+    def _store_failed(self, err: BaseException) -> None:
+        """The store did not answer: gossip stops (exchanges are skipped at once) until it answers again."""
+        if self.down_since is None:
+            self.down_since = time.monotonic()
+            log.warning("fgdiloco rank %d: the gossip store does not answer (%s: %s); training on without gossip "
+                        "while it is away", self.rank, type(err).__name__, str(err).splitlines()[0][:200])
+
+    def _store_ok(self) -> None:
+        if self.down_since is not None:
+            log.warning("fgdiloco rank %d: the gossip store answers again after %.1f s", self.rank,
+                        time.monotonic() - self.down_since)
+            self.down_since = None
+
+    @property
+    def unreachable(self) -> bool:
+        """Whether the store did not answer this worker's last heartbeat (exchanges are skipped meanwhile)."""
+        return self.down_since is not None
 
     def prefix(self, peer: int, key: str) -> str:
         return f"{self.namespace}/{super().prefix(peer, key)}"

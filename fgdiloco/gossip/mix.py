@@ -227,7 +227,7 @@ class Mixer:
         self.secret = secret
         self.max_ratio = max_ratio
         self.generation = 0
-        self._prepared: dict[str, int] = {}  # exchange key -> peer
+        self._prepared: dict[str, tuple[int, int]] = {}  # exchange key -> (peer, the membership's epoch then)
         self._durations: deque[float] = deque(maxlen=DEADLINE_SAMPLES)
 
     def deadline(self) -> float:
@@ -253,7 +253,7 @@ class Mixer:
     def prepare(self, outer_round: int) -> None:
         """Let the transport set up this mix's pair exchanges of ``outer_round`` in the background (e.g. Mix2's
         pair groups while the inner steps run). Peers in back-off are left out; :meth:`run` declines them."""
-        if not self._active():
+        if not self._active() or self.transport.membership.unreachable:
             return
         for k in range(self.rounds):
             idx = self.schedule_index(outer_round, k)
@@ -264,7 +264,7 @@ class Mixer:
                     and not self.transport.membership.has_left(step.peer):
                 key = self._key(idx)
                 self.transport.prepare(step.peer, key=key, timeout=self.join_timeout)
-                self._prepared[key] = step.peer
+                self._prepared[key] = (step.peer, self.transport.membership.epoch)
 
     def _returned(self, peer: int) -> bool:
         """A peer that came back as a new process starts with a clean slate: its back-off is reset."""
@@ -282,7 +282,7 @@ class Mixer:
         """Give up every exchange set up by :meth:`prepare` and not run (a checkpoint was loaded, or the worker
         leaves): the peers' exchanges fail at once instead of waiting for their deadline."""
         prepared, self._prepared = self._prepared, {}
-        for key, peer in prepared.items():
+        for key, (peer, _) in prepared.items():
             try:
                 self.transport.discard(peer, key=key)
             except Exception as err:  # noqa: BLE001 - a store we cannot reach: the peer times out as before
@@ -331,9 +331,13 @@ class Mixer:
         res.peers.append(peer)
         res.exchanges += 1
         key = self._key(idx)
-        prepared = self._prepared.pop(key, None) is not None
-        self._returned(peer)
-        reason = self._no_exchange(peer, key, prepared, outer_round)
+        prepared = self._prepared.pop(key, None)
+        membership = self.transport.membership
+        back = not membership.unreachable and self._returned(peer)  # before back-off: a new process is not to blame
+        reason = self._no_exchange(peer, key, prepared is not None, outer_round)
+        if reason is None and prepared is not None and (back or prepared[1] != membership.epoch):
+            # set up for the peer's previous process, or over connections to a store that has been replaced
+            self.transport.discard(peer, key=key)
         if reason is not None:
             self._skip(res, reason)
             return 0.0
@@ -364,9 +368,12 @@ class Mixer:
         return outcome.floor
 
     def _no_exchange(self, peer: int, key: str, prepared: bool, outer_round: int) -> str | None:
-        """Why no exchange is tried with ``peer`` (it left, or this worker backs off from it), or None."""
+        """Why no exchange is tried with ``peer`` (it left, the store is out of reach, or this worker backs off
+        from it), or None."""
         if self.transport.membership.has_left(peer):
             return f"rank {peer} has left (departure notice)"
+        if self.transport.membership.unreachable:
+            return f"rank {peer} skipped: the gossip store is out of reach"
         if not prepared and self.health.skip(peer, outer_round):
             try:
                 self.transport.decline(peer, key=key)  # the peer's open() fails at once instead of timing out
@@ -379,10 +386,15 @@ class Mixer:
         """Raise when ``peer`` will not come to the exchange ``key`` of ``outer_round``: it left, gave the exchange
         up, its heartbeat stopped (the membership's verdicts), or it has started a later outer round (an elastic
         peer that rejoined ahead). Polled by the supervision loop until the peer's first payload."""
-        gone = "abandoned" if self.transport.abandoned(peer, key) else self.transport.membership.gone(peer, since)
+        try:
+            gone = "abandoned" if self.transport.abandoned(peer, key) else self.transport.membership.gone(peer, since)
+            ahead = self.transport.membership.peer_round(peer) if gone is None else None
+        except ExchangeError:
+            raise
+        except Exception as err:  # noqa: BLE001 - c10d's errors for a store that is gone
+            raise PeerDeclined(f"{what}: skipped: the gossip store did not answer ({type(err).__name__})") from err
         if gone is not None:
             raise gone_error(gone, what)
-        ahead = self.transport.membership.peer_round(peer)
         if ahead is not None and ahead > outer_round:
             raise PeerDeclined(f"{what}: skipped: the peer has moved on to outer round {ahead}")
 

@@ -373,6 +373,9 @@ class DistributedTransport(Transport):
                 pending.cancel.set()
             raise
         except Exception as err:  # noqa: BLE001 - every failure to meet the peer is an ExchangeError
+            if type(err).__name__ in ("DistNetworkError", "DistStoreError"):  # the store, not the peer: no blame
+                raise PeerDeclined(f"{key} with rank {peer}: skipped: the gossip store did not answer "
+                                   f"({type(err).__name__}: {str(err).splitlines()[0][:120]})") from err
             raise ExchangeError(f"meeting rank {peer} for {key} failed: {type(err).__name__}: {err}") from err
         finally:
             with self._pending_lock:

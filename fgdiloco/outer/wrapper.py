@@ -146,8 +146,8 @@ class FGDiLoCo:
     @staticmethod
     def resolve_codecs(config: FGDiLoCoConfig) -> tuple[Codec, Codec]:
         """Mix2's and Mix1's codec instances for ``config`` (a name builds a new instance)."""
-        codec = resolve_codec(config.codec, default="dense", argument="codec", rank=config.codec_rank)
-        mix1 = resolve_codec(config.mix1_codec, default="bf16", argument="mix1_codec")
+        codec = resolve_codec(config.codec, default=FGDiLoCoConfig.codec, argument="codec", rank=config.codec_rank)
+        mix1 = resolve_codec(config.mix1_codec, default=FGDiLoCoConfig.mix1_codec, argument="mix1_codec")
         return codec, mix1
 
     @staticmethod
@@ -217,7 +217,8 @@ class FGDiLoCo:
         if self.elastic:
             from ..elastic import connect
 
-            return connect(timeout=c.join_timeout, liveness=c.liveness)
+            return connect(timeout=c.join_timeout, liveness=c.liveness, store_timeout=c.store_timeout,
+                           fingerprint=self.fingerprint, secret=job_secret())
         if transport is not None or not (process_group is not None or mesh is not None
                                          or (dist.is_available() and dist.is_initialized())):
             return transport

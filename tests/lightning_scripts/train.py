@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sync-every", type=int, default=4)
     p.add_argument("--topology", default="random")
     p.add_argument("--mix2-rounds", type=int, default=1)
+    p.add_argument("--codec", default=None, help="Mix2's codec (default: the strategy's)")
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--samples", type=int, default=96)
@@ -207,8 +208,10 @@ def main(argv: list[str] | None = None) -> None:
     else:
         pipeline = {} if not args.stages else dict(pipeline_stages=args.stages, n_microbatches=args.microbatches,
                                                     pipeline_schedule=args.schedule)
+        codec = {} if args.codec is None else {"codec": args.codec}
         strategy = FGDiLoCoStrategy(sync_every=args.sync_every, topology=args.topology, outer_lr=args.outer_lr,
-                                    mix2_rounds=args.mix2_rounds, seed=args.seed, timeout=args.timeout, **pipeline)
+                                    mix2_rounds=args.mix2_rounds, seed=args.seed, timeout=args.timeout, **pipeline,
+                                    **codec)
     recorder = Recorder()
     monitor = GossipMonitor(growth_patience=args.growth_patience)
     callbacks = [recorder, monitor]

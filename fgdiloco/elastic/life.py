@@ -1,0 +1,61 @@
+"""One life of an elastic worker, as ``fgdiloco launch`` starts it: ``torchrun ... -m fgdiloco.elastic.life SCRIPT
+ARGS`` (or ``-m MODULE ARGS``).
+
+Before anything else (so a life that dies while importing torch counts too) it appends one line to
+``$FGDILOCO_LIVES_FILE``: every life torchrun started is counted, and ``fgdiloco launch`` reports the restarts.
+Then it runs the worker's script as ``__main__``. A worker that must stop for good says so instead of failing, so
+that torchrun does not restart it for nothing: :class:`~fgdiloco.elastic.StoreUnreachable` (the gossip store has
+been out of reach for ``store_timeout``), :class:`~fgdiloco.elastic.SlotTaken` and
+:class:`~fgdiloco.elastic.AdmissionError` (another slot count, model or job secret than the job's) end the life
+with exit status 0 after one line on stderr and one ``stop`` line in the lives file, which ``fgdiloco launch`` turns
+into its own non-zero exit and message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import time
+
+LIVES_ENV = "FGDILOCO_LIVES_FILE"  # as fgdiloco.elastic.launch sets it (this module is not imported by the package)
+
+
+def _note(record: dict) -> None:
+    path = os.environ.get(LIVES_ENV)
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def _run(argv: list[str]) -> None:
+    if not argv:
+        raise SystemExit("usage: python -m fgdiloco.elastic.life SCRIPT [ARGS] | -m MODULE [ARGS]")
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        return
+    sys.argv = list(argv)
+    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+    runpy.run_path(argv[0], run_name="__main__")
+
+
+def main() -> int:
+    _note({"event": "start", "time": time.time(), "pid": os.getpid(),
+           "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))})
+    try:
+        _run(sys.argv[1:])
+    except Exception as err:
+        from . import AdmissionError, SlotTaken, StoreUnreachable
+
+        if not isinstance(err, (StoreUnreachable, SlotTaken, AdmissionError)):
+            raise
+        kind = {StoreUnreachable: "store", SlotTaken: "slot", AdmissionError: "refused"}[type(err)]
+        print(f"[fgdiloco] worker stopped: {err}", file=sys.stderr, flush=True)
+        _note({"event": "stop", "kind": kind, "reason": str(err), "time": time.time()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
