@@ -8,9 +8,9 @@ checkout refreshes the committed ``benchmarks/results/``.
 Inputs (all measured, none guessed):
 
 * **bytes per mix** from the real codecs and wire frames (:func:`fgdiloco.factor.encode_frame`: 48-byte header +
-  zstd body) on the real example GPT of ``benchmarks/wan.py``: its parameters (Mix1, bf16) and a real
-  pseudo-gradient (``H`` AdamW steps on the bundled corpus; Mix2 with dense fp32, bf16, int8 and
-  ``LowRank(rank=4, int8)`` after a few rounds of error feedback);
+  zstd body) on the real example GPT of ``benchmarks/wan.py`` (:data:`fgdiloco.pretrain.comparison.JOB`): its
+  parameters (Mix1, bf16) and a real pseudo-gradient (``H`` AdamW steps on the bundled corpus; Mix2 with dense
+  fp32, bf16, int8 and ``LowRank(rank=4, int8)`` after a few rounds of error feedback);
 * **compute seconds per inner step** measured in the ``wan.py`` runs (``--wan``; default
   ``benchmarks/results/wan.json`` of the source checkout when there is one), else timed here on one thread;
 * **link efficiency** (TCP/IP payload / wire rate) from the ``netns`` shaping check (0.956 at 1500-byte MTU).
@@ -53,6 +53,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .pretrain.comparison import JOB
 
 #: The committed results of a source checkout (``python -m benchmarks.simulate`` writes there).
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
@@ -329,26 +331,6 @@ def consensus_study(ms: list[int], topologies: tuple[str, ...] = ("random", "exp
 
 
 # ---------------------------------------------------------------------------------------------------- measured inputs
-#: The job of ``benchmarks/wan.py`` (its ``JOB``; a test keeps the two equal): the "real GPT" whose codec bytes
-#: are measured, and the run shape of the measured runs the model is validated against.
-JOB: dict[str, Any] = {
-    "workers": 4,
-    "n_layer": 2,
-    "n_head": 4,
-    "n_embd": 128,
-    "vocab_size": 1024,
-    "block_size": 64,
-    "batch_size": 8,
-    "lr": 3e-3,
-    "warmup_steps": 20,
-    "weight_decay": 0.1,
-    "sync_every": 10,
-    "steps": 300,
-    "seed": 0,
-    "eval_batches": 8,
-}
-
-
 def _job() -> dict[str, Any]:
     return dict(JOB)
 
@@ -552,33 +534,39 @@ def sweep(workload: Workload, codec_bytes: dict[str, Any], *, bandwidths: list[f
 
 
 def plot(sw: dict[str, Any], cons: dict[str, Any], measured: list[dict[str, Any]] | None, out: Path) -> list[str]:
+    """``simulate_utilisation.png`` (utilisation against bandwidth and against M, measured runs as dots) and
+    ``simulate_consensus.png`` (the topologies' contraction) in ``out``; returns their paths."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    paths = []
-    styles = {"DDP": ("C3", "-"), "DiLoCo": ("C0", "-"), "DiLoCo (halving-doubling)": ("C0", "-."),
-              "FG-DiLoCo LowRank r2=1": ("C2", "-"),
-              "FG-DiLoCo dense r2=1": ("C1", "--"), "FG-DiLoCo r2=0": ("C4", ":")}
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
+    _plot_utilisation(axes, sw, measured)
+    fig.tight_layout()
+    paths = [str(out / "simulate_utilisation.png")]
+    fig.savefig(paths[0], dpi=110)
+    plt.close(fig)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
+    _plot_consensus(axes, cons)
+    fig.tight_layout()
+    paths.append(str(out / "simulate_consensus.png"))
+    fig.savefig(paths[1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+_STYLES = {"DDP": ("C3", "-"), "DiLoCo": ("C0", "-"), "DiLoCo (halving-doubling)": ("C0", "-."),
+           "FG-DiLoCo LowRank r2=1": ("C2", "-"), "FG-DiLoCo dense r2=1": ("C1", "--"),
+           "FG-DiLoCo r2=0": ("C4", ":")}
+
+
+def _plot_utilisation(axes: Any, sw: dict[str, Any], measured: list[dict[str, Any]] | None) -> None:
     ax = axes[0]
     for lab, pts in sw["utilisation_vs_bandwidth"].items():
-        c, ls = styles.get(lab, ("k", "-"))
+        c, ls = _STYLES.get(lab, ("k", "-"))
         ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], ls, color=c, label=lab)
-    if measured:
-        mk = {"ddp": ("DDP", "C3"), "diloco": ("DiLoCo", "C0"), "localsgd": ("local SGD", "C5")}
-        seen = set()
-        for r in measured:
-            fam = r["family"]
-            if fam == "fgdiloco":
-                lab = ("FG LowRank" if r["codec"].startswith("lowrank") else "FG dense") + f" r2={r['mix2_rounds']}"
-                col = {"FG LowRank r2=1": "C2", "FG dense r2=1": "C1"}.get(lab, "C4")
-            else:
-                lab, col = mk[fam]
-            ax.scatter([r["bandwidth_mbit"]], [100 * r["utilisation"]], color=col, marker="o", s=22,
-                       edgecolor="k", lw=0.5, zorder=5, label=None if lab in seen else f"measured: {lab}")
-            seen.add(lab)
+    _plot_measured(ax, measured or [])
     ax.set_xscale("log")
     ax.set_xlabel("link bandwidth per worker (Mbit/s)")
     ax.set_ylabel("compute utilisation (%)")
@@ -587,7 +575,7 @@ def plot(sw: dict[str, Any], cons: dict[str, Any], measured: list[dict[str, Any]
     ax.legend(fontsize=7)
     ax = axes[1]
     for lab, pts in sw["utilisation_vs_m"].items():
-        c, ls = styles.get(lab, ("k", "-"))
+        c, ls = _STYLES.get(lab, ("k", "-"))
         ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], ls, color=c, label=lab)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("workers M")
@@ -596,13 +584,24 @@ def plot(sw: dict[str, Any], cons: dict[str, Any], measured: list[dict[str, Any]
                  fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    p = out / "simulate_utilisation.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    paths.append(str(p))
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
+
+def _plot_measured(ax: Any, measured: list[dict[str, Any]]) -> None:
+    mk = {"ddp": ("DDP", "C3"), "diloco": ("DiLoCo", "C0"), "localsgd": ("local SGD", "C5")}
+    seen = set()
+    for r in measured:
+        fam = r["family"]
+        if fam == "fgdiloco":
+            lab = ("FG LowRank" if r["codec"].startswith("lowrank") else "FG dense") + f" r2={r['mix2_rounds']}"
+            col = {"FG LowRank r2=1": "C2", "FG dense r2=1": "C1"}.get(lab, "C4")
+        else:
+            lab, col = mk[fam]
+        ax.scatter([r["bandwidth_mbit"]], [100 * r["utilisation"]], color=col, marker="o", s=22,
+                   edgecolor="k", lw=0.5, zorder=5, label=None if lab in seen else f"measured: {lab}")
+        seen.add(lab)
+
+
+def _plot_consensus(axes: Any, cons: dict[str, Any]) -> None:
     cols = {"random": "C0", "exponential": "C2", "ring": "C3"}
     for name, rows in cons["by_topology"].items():
         ms = [r["m"] for r in rows]
@@ -627,12 +626,6 @@ def plot(sw: dict[str, Any], cons: dict[str, Any], measured: list[dict[str, Any]
                       fontsize=9)
     axes[1].grid(alpha=0.3)
     axes[1].legend()
-    fig.tight_layout()
-    p = out / "simulate_consensus.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    paths.append(str(p))
-    return paths
 
 
 # ---------------------------------------------------------------------------------------------------- main
