@@ -6,7 +6,7 @@ checked is checked before a worker starts (exit status 2, one line naming the op
 in one line (exit 1) with its traceback kept under ``--out/logs``; Ctrl-C stops the workers, summarises the rounds
 done and exits with 130.
 
-``fgdiloco simulate``: the analytic round model of :mod:`fgdiloco.simulate`.
+``fgdiloco simulate``: the analytic round model of :mod:`fgdiloco.pretrain.simulate`.
 
 Each subcommand adds itself in its own ``add_<name>_parser`` function. The pretrain flags are generated from the
 fields of :class:`~fgdiloco.pretrain.config.TrainConfig` (:func:`~fgdiloco.pretrain.config.add_train_arguments`),
@@ -334,8 +334,8 @@ def _summary_text(s: dict[str, Any], out: Path, elapsed: float) -> str:
 
 # ---------------------------------------------------------------------------------------------------- simulate
 def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``simulate`` to ``subparsers`` (the model is :mod:`fgdiloco.simulate`)."""
-    from . import simulate
+    """Add ``simulate`` to ``subparsers`` (the model is :mod:`fgdiloco.pretrain.simulate`)."""
+    from .pretrain import simulate
 
     p = _add_command(
         subparsers, "simulate",
@@ -348,7 +348,7 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from . import simulate
+    from .pretrain import simulate
     from .pretrain.launcher import PreflightError, choose_output, clear_outputs
 
     try:

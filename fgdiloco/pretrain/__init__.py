@@ -24,6 +24,7 @@
   ``loss.png``), the meaning of every field, ``summarise``.
 * :mod:`fgdiloco.pretrain.comparison`: side-by-side runs of the job (``benchmarks/wan.py``'s job and methods, time
   and tokens to a target loss, the cost of a dead worker).
+* :mod:`fgdiloco.pretrain.simulate`: the analytic round model of ``fgdiloco simulate``.
 """
 
 from .config import DEPARTURES, TrainConfig
