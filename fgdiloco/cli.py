@@ -11,34 +11,57 @@ done and exits with 130.
 Each subcommand adds itself in its own ``add_<name>_parser`` function. The pretrain flags are generated from the
 fields of :class:`~fgdiloco.pretrain.config.TrainConfig` (:func:`~fgdiloco.pretrain.config.add_train_arguments`),
 the FG-DiLoCo settings among them from :class:`fgdiloco.FGDiLoCoConfig`'s (:func:`fgdiloco.config.add_arguments`),
-so a new setting is a new flag with no change here.
+so a new setting is a new flag with no change here. Every parser takes whole option names only (no prefixes: a
+misspelt ``--worker`` is refused, not taken for ``--workers``) and reports a bad command line in one line.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 __all__ = ["build_parser", "main"]
 
 #: Exit status after Ctrl-C (128 + SIGINT), as shells report it.
 EXIT_INTERRUPTED = 130
 
-def _add_command(subparsers: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
-    return subparsers.add_parser(name, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kwargs)
+class _Parser(argparse.ArgumentParser):
+    """An argument parser that refuses abbreviated options and reports an error in one line (no usage block)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def refuse_extra(self, extra: list[str]) -> NoReturn:
+        """The error for arguments this parser does not know, with the closest option names."""
+        known = [o for a in self._actions for o in a.option_strings]
+        hints = sorted({m for x in extra if x.startswith("--")
+                        for m in difflib.get_close_matches(x.split("=")[0], known, n=1, cutoff=0.75)})
+        self.error(f"unrecognized arguments: {' '.join(extra)}"
+                   + (f"; did you mean {' or '.join(hints)}?" if hints else ""))
+
+
+def _add_command(subparsers: Any, name: str, **kwargs: Any) -> _Parser:
+    return subparsers.add_parser(name, allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                 **kwargs)
 
 
 def add_pretrain_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``pretrain`` to ``subparsers``: one flag per :class:`~fgdiloco.pretrain.config.TrainConfig` field,
     and ``--out``, ``--overwrite``, ``--resume``."""
+    from .config import FGDiLoCoConfig
     from .pretrain.config import TrainConfig, add_train_arguments
 
-    d = TrainConfig()
+    d, lib = TrainConfig(), FGDiLoCoConfig()
     p = _add_command(
         subparsers, "pretrain",
         help="pretrain a small GPT on text with Factored Gossip DiLoCo (local worker processes)",
@@ -48,12 +71,14 @@ def add_pretrain_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "with --max-restarts, all meet on a gossip store this command serves, a dead worker is "
                     "restarted from its checkpoint and rejoins without stopping the others. Baselines and "
                     "--stages > 1 are not elastic (one torchelastic job: one death ends the job). Writes run.json, "
-                    "metrics.jsonl (one JSON row per evaluation), summary.json, loss.png, the workers' reports "
-                    "(workers/), checkpoints/ and logs/ to --out. With no arguments it trains on the "
-                    "bundled public-domain corpus in about 4 minutes on 2 CPU cores. The outer-loop, gossip and "
-                    "deadline options are the settings of fgdiloco.FGDiLoCoConfig with the library's defaults "
-                    "unless the option says why not. Exit status: 0 done, 1 a worker failed, "
-                    "2 bad arguments (checked before any worker starts), 130 interrupted (Ctrl-C).",
+                    "metrics.jsonl (one JSON row per evaluation), summary.json, loss.png and logs/ to --out; an "
+                    "elastic run also config.json (what --resume continues), the workers' reports (workers/) and "
+                    "checkpoints/. With no arguments it trains on the bundled public-domain corpus in about 4 "
+                    "minutes on 2 CPU cores. The outer-loop, gossip and deadline options are the settings of "
+                    "fgdiloco.FGDiLoCoConfig with the library's defaults, unless the option says why not: so this "
+                    f"run uses the {lib.codec!r} codec over the {d.topology!r} topology unless told otherwise. "
+                    "Exit status: 0 done, 1 a worker failed, 2 bad arguments (checked before any worker starts), "
+                    "130 interrupted (Ctrl-C).",
     )
     add_train_arguments(p)
     g = p.add_argument_group("where the results go")
@@ -290,10 +315,8 @@ def _interrupted(out: Path, display: _Display, finish: Any, code: int = EXIT_INT
                           f"worker logs in {out / 'logs'}", markup=False)
         return code
     rows = summary["rounds"]
-    kept = ["metrics.jsonl", "summary.json (marked interrupted)" if summary["interrupted"] else "summary.json"]
-    if (out / "loss.png").exists():
-        kept.append("loss.png")
-    kept += ["run.json", "logs/"]
+    kept = ["summary.json (marked interrupted)" if summary["interrupted"] else "summary.json"]
+    kept += [name for name in _outputs(out) if name != "summary.json"]
     loss = summary.get("final_eval_loss")
     display.err.print(f"[fgdiloco] interrupted after round {rows}/{summary['rounds_planned']} (step {summary['steps']}/"
                       f"{summary['steps_planned']}"
@@ -325,11 +348,15 @@ def _summary_text(s: dict[str, Any], out: Path, elapsed: float) -> str:
     if s.get("restarts") or s.get("rejoins"):
         lines.append(f"  elastic         {s['restarts']} worker restart(s), {s['rejoins']} rejoin(s) (marked in "
                      "loss.png)")
-    extra = ", workers/, checkpoints/" if (out / "checkpoints").is_dir() else ""
-    lines += [
-        f"  outputs         {out}/: summary.json, metrics.jsonl, loss.png, run.json, logs/{extra}",
-    ]
+    lines.append(f"  outputs         {out}/: {', '.join(_outputs(out))}")
     return "\n".join(lines)
+
+
+def _outputs(out: Path) -> list[str]:
+    """What the run left in ``out``, in the order the docs describe it (folders with a slash)."""
+    order = ("summary.json", "metrics.jsonl", "loss.png", "run.json", "config.json", "logs", "workers",
+             "checkpoints")
+    return [name + ("/" if (out / name).is_dir() else "") for name in order if (out / name).exists()]
 
 
 # ---------------------------------------------------------------------------------------------------- simulate
@@ -447,7 +474,7 @@ def _as_flag(message: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = argparse.ArgumentParser(prog="fgdiloco", description="Factored Gossip DiLoCo for PyTorch.")
+    parser = _Parser(prog="fgdiloco", description="Factored Gossip DiLoCo for PyTorch.")
     parser.add_argument("--version", action="version", version=f"fgdiloco {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     add_pretrain_parser(sub)
@@ -459,11 +486,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``fgdiloco`` console script; returns the exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    command = getattr(args, "subparser", None)
+    if extra:  # the command's own error (its usage), not the top-level one
+        (command if command is not None else parser).refuse_extra(extra)
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
-    return int(args.func(args, args.subparser) or 0)
+    return int(args.func(args, command) or 0)
 
 
 if __name__ == "__main__":

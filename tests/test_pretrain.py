@@ -369,6 +369,7 @@ def test_defaults_are_the_librarys_or_their_difference_is_shown_in_help():
            f"codec's own); the lowrank codec's own is {LowRank().rank}; --rank is its older name" in text
     assert f"differs from FGDiLoCo's default {lib.outer_momentum}" in text and "(default: 0.3)" in text
     assert f"differs from FGDiLoCo's default {lib.sync_every}" in text and "(default: 20)" in text
+    assert f"this run uses the {lib.codec!r} codec" in text  # what the run uses, printed from the config
     assert "--no-error-feedback" in text and "Only the exact path (--topology allreduce) keeps a residual" in text
     for flag in ("--workers", "--steps", "--sync-every", "--topology", "--mix1-rounds", "--mix2-rounds", "--codec",
                  "--data", "--out", "--overwrite", "--quiet", "--baseline", "--seed", "--timeout", "--resume"):
@@ -434,14 +435,18 @@ TINY = ("--workers", "2", "--n-layer", "1", "--n-head", "2", "--n-embd", "32", "
         "--block-size", "32", "--vocab-size", "300", "--eval-batches", "1", "--data", str(FIXTURE))
 
 
-def test_cli_argument_errors_exit_2(capsys):
-    for argv, message in ((["pretrain", "--codec", "gzip"], "invalid choice"),
-                          (["pretrain", "--workers", "two"], "--workers"),
-                          (["pretrain", "--bogus"], "unrecognized")):
+def test_cli_argument_errors_exit_2_in_one_line_naming_the_option(capsys):
+    for argv, message in ((["pretrain", "--codec", "gzip"], "argument --codec: invalid choice"),
+                          (["pretrain", "--workers", "two"], "argument --workers: expected an int >= 1, got 'two'"),
+                          (["pretrain", "--bogus"], "unrecognized arguments: --bogus"),
+                          # no prefix matching: --worker is not --workers
+                          (["pretrain", "--worker", "4"], "unrecognized arguments: --worker 4; did you mean "
+                                                          "--workers?")):
         with pytest.raises(SystemExit) as exc:
             main(argv)
         assert exc.value.code == 2
-        assert message in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert err.startswith("fgdiloco pretrain: error: ") and message in err and err.count("\n") == 1, err
     for argv, message in ((["pretrain", "--data", "/nonexistent/text.txt"], "--data '/nonexistent/text.txt' does"),
                           (["pretrain", "--n-embd", "30", "--n-head", "4"], "divisible"),
                           (["pretrain", "--steps", "0"], "--steps must be an int >= 1, got 0"),
@@ -501,6 +506,11 @@ def test_launch_through_the_cli_and_a_second_run_gets_its_own_folder(tmp_path):
     out = tmp_path / "runs" / "pretrain"
     assert "[fgdiloco] round 1/2  step 3/6  eval " in first.stdout and "ETA" in first.stdout
     assert "round 2/2" in first.stdout and "done" in first.stdout and "nats/token" in first.stdout
+    assert "training a byte-level BPE tokenizer (vocabulary 300)" in first.stdout  # nothing cached yet
+    outputs = next(line for line in first.stdout.splitlines() if line.strip().startswith("outputs"))
+    for name in ("summary.json", "metrics.jsonl", "loss.png", "run.json", "config.json", "logs/", "workers/",
+                 "checkpoints/"):
+        assert name in outputs, outputs
     from fgdiloco.pretrain.launcher import usable_cores
 
     assert ("2 workers share" in first.stderr) == (usable_cores() < 2)
@@ -667,6 +677,9 @@ def test_preflight_checks_memory_and_warns_about_cores(tmp_path, monkeypatch):
     assert found["warnings"] and "3 workers share 2 CPU cores" in found["warnings"][0]
     assert found["tokens"] > 100_000 and found["vocab_size"] == 384
     assert found["worker_bytes"] == per
+    said: list[str] = []
+    launcher.preflight(cfg, status=said.append)  # the tokenizer is cached now: it is loaded, not trained
+    assert said == [f"loading the cached byte-level BPE tokenizer (vocabulary 384) from {tmp_path / 'cache'}"]
     monkeypatch.setattr(launcher, "available_memory_bytes", lambda: 2 * per + 2**20)
 
     def no_training(*a, **k):

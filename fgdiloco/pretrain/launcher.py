@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import TrainConfig
-from .data import build_tokenizer, cache_dir_for, encode_corpus, load_text, split_tokens
+from .data import build_tokenizer, cache_dir_for, encode_corpus, load_text, split_tokens, tokenizer_is_cached
 from .results import (
     OUTPUT_NAMES,
     checkpoint_path,
@@ -228,9 +228,14 @@ def preflight(cfg: TrainConfig, status: Callable[[str], Any] | None = None) -> d
                                           f"{avail / 2**30:.1f} GiB is free; use --workers {fit} or fewer, or a "
                                           "smaller model")
     cache = cache_dir_for(cfg.data, cfg.cache_dir)
-    what = (f"training a byte-level BPE tokenizer (vocabulary {cfg.vocab_size}) on {len(text) / 1e6:.1f} M "
-            "characters" if cfg.tokenizer == "bpe" else "encoding the text as bytes")
-    with stage(f"{what} (cached in {cache})"):
+    if cfg.tokenizer == "bytes":
+        what = f"encoding the text as bytes (cached in {cache})"
+    elif tokenizer_is_cached(text, cfg.vocab_size, cache):
+        what = f"loading the cached byte-level BPE tokenizer (vocabulary {cfg.vocab_size}) from {cache}"
+    else:
+        what = (f"training a byte-level BPE tokenizer (vocabulary {cfg.vocab_size}) on {len(text) / 1e6:.1f} M "
+                f"characters (cached in {cache})")
+    with stage(what):
         tok = build_tokenizer(text, cfg.tokenizer, cfg.vocab_size, cache_dir=cache)
         tokens = encode_corpus(text, tok, cache_dir=cache)
     need = cfg.block_size + 1
