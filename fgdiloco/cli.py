@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
+import importlib.util
 import sys
 import time
 from collections.abc import Sequence
@@ -30,6 +31,10 @@ __all__ = ["build_parser", "main"]
 
 #: Exit status after Ctrl-C (128 + SIGINT), as shells report it.
 EXIT_INTERRUPTED = 130
+
+#: What ``fgdiloco pretrain`` and ``fgdiloco simulate`` need beyond the library (``pip install 'fgdiloco[pretrain]'``).
+PRETRAIN_EXTRA = ("tokenizers", "matplotlib", "rich")
+
 
 class _Parser(argparse.ArgumentParser):
     """An argument parser that refuses abbreviated options and reports an error in one line (no usage block)."""
@@ -55,6 +60,23 @@ def _add_command(subparsers: Any, name: str, **kwargs: Any) -> _Parser:
                                  **kwargs)
 
 
+def _missing_extra(prog: str) -> int | None:
+    """Exit status 1 after one line when the ``[pretrain]`` extra is not installed; None when it is."""
+    missing = []
+    for name in PRETRAIN_EXTRA:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    if not missing:
+        return None
+    print(f"{prog}: error: the example job needs {', '.join(missing)} (not installed): pip install "
+          "'fgdiloco[pretrain]'", file=sys.stderr, flush=True)
+    return 1
+
+
 def add_pretrain_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``pretrain`` to ``subparsers``: one flag per :class:`~fgdiloco.pretrain.config.TrainConfig` field,
     and ``--out``, ``--overwrite``, ``--resume``."""
@@ -77,7 +99,8 @@ def add_pretrain_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "minutes on 2 CPU cores. The outer-loop, gossip and deadline options are the settings of "
                     "fgdiloco.FGDiLoCoConfig with the library's defaults, unless the option says why not: so this "
                     f"run uses the {lib.codec!r} codec over the {d.topology!r} topology unless told otherwise. "
-                    "Exit status: 0 done, 1 a worker failed, 2 bad arguments (checked before any worker starts), "
+                    "Needs the [pretrain] extra (pip install 'fgdiloco[pretrain]'). Exit status: 0 done, 1 a "
+                    "worker failed (or the extra is missing), 2 bad arguments (checked before any worker starts), "
                     "130 interrupted (Ctrl-C).",
     )
     add_train_arguments(p)
@@ -209,6 +232,9 @@ class _Display:
 
 
 def run_pretrain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    code = _missing_extra(parser.prog)
+    if code is not None:
+        return code
     display = _Display(args.quiet)
     prepared = _prepare_pretrain(args, parser.prog, display)
     if isinstance(prepared, int):
@@ -367,7 +393,7 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = _add_command(
         subparsers, "simulate",
         help="analytic model of a round: utilisation of DDP, DiLoCo and FG-DiLoCo vs bandwidth and workers",
-        description=simulate.DESCRIPTION,
+        description=simulate.DESCRIPTION + " Needs the [pretrain] extra (pip install 'fgdiloco[pretrain]').",
     )
     simulate.add_arguments(p, default_out=None)
     p.set_defaults(func=run_simulate, subparser=p)
@@ -378,6 +404,9 @@ def run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     from .pretrain import simulate
     from .pretrain.launcher import PreflightError, choose_output, clear_outputs
 
+    code = _missing_extra(parser.prog)
+    if code is not None:
+        return code
     try:
         out, note = choose_output(args.out if args.out is not None else simulate.DEFAULT_OUT,
                                   explicit=args.out is not None, overwrite=args.overwrite,

@@ -459,6 +459,20 @@ def test_cli_argument_errors_exit_2_in_one_line_naming_the_option(capsys):
     assert main([]) == 2  # no subcommand: help
 
 
+def test_pretrain_and_simulate_without_the_extra_say_how_to_install_it_in_one_line():
+    code = ("import sys\n"
+            "sys.modules['rich'] = None\n"
+            "from fgdiloco.cli import main\n"
+            "sys.exit(main(sys.argv[1:]))\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    for command in ("pretrain", "simulate"):
+        proc = subprocess.run([sys.executable, "-c", code, command], capture_output=True, text=True, timeout=120,
+                              env=env, cwd=ROOT)
+        assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+        assert proc.stderr.startswith(f"fgdiloco {command}: error: ") and "pip install 'fgdiloco[pretrain]'" in (
+            proc.stderr)
+
+
 def _unwritable(tmp_path: Path) -> Path:
     if os.geteuid() == 0:  # root writes through permission bits: sysfs refuses new entries even to root
         return Path("/sys/fgdiloco-test-out")

@@ -1,4 +1,5 @@
-"""Pretraining a small GPT on real text: the model, the data pipeline and the distributed job (``fgdiloco pretrain``).
+"""Pretraining a small GPT on real text: the model, the data pipeline and the distributed job (``fgdiloco pretrain``;
+needs the ``[pretrain]`` extra: tokenizers, matplotlib, rich).
 
 * :mod:`fgdiloco.pretrain.config`: ``TrainConfig`` (the job's settings, every ``FGDiLoCoConfig`` setting among
   them), ``DEPARTURES``, the command's flags.
