@@ -35,9 +35,10 @@ from pathlib import Path
 import torch
 
 from fgdiloco.factor import BF16, Codec, Dense, Int8, LowRank, decode_frame, encode_frame, layout_fingerprint
+from fgdiloco.pretrain.config import TrainConfig
 from fgdiloco.pretrain.data import build_tokenizer, encode_corpus, load_text, sample_batch, split_tokens
+from fgdiloco.pretrain.launcher import launch
 from fgdiloco.pretrain.model import GPT, GPTConfig
-from fgdiloco.pretrain.worker import TrainConfig, launch
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -48,9 +49,9 @@ VARIANTS: dict[str, tuple] = {
     "int8": (Int8, {"codec": "int8"}),
 }
 for _r in (1, 4, 16):
-    VARIANTS[f"lowrank r={_r}"] = (lambda r=_r: LowRank(rank=r), {"codec": "lowrank", "rank": _r})
+    VARIANTS[f"lowrank r={_r}"] = (lambda r=_r: LowRank(rank=r), {"codec": "lowrank", "codec_rank": _r})
     VARIANTS[f"lowrank r={_r} no-EF"] = (lambda r=_r: LowRank(rank=r, error_feedback=False),
-                                         {"codec": "lowrank", "rank": _r, "error_feedback": False})
+                                         {"codec": "lowrank", "codec_rank": _r, "error_feedback": False})
 
 
 def pseudo_gradients(cfg: TrainConfig, rounds: int) -> tuple[list[list[torch.Tensor]], list[tuple]]:

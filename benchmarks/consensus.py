@@ -5,16 +5,18 @@ Run from the repository root::
     python -m benchmarks.consensus                  # the full study (about 15-20 minutes on 2 cores)
     python -m benchmarks.consensus --quick          # 30 rounds, fewer variants: a smoke run
 
-1. **Training** (the example GPT, 2 layers of width 64, on the bundled corpus, 4 workers, batches of 16 × 64
-   tokens, H = 5, 100 outer rounds, AdamW inner at lr 3e-3 with clipping at 1.0, Nesterov outer lr 0.7 / momentum
-   0.9, DiLoCo's long-run setting). The workers are threads of this process talking
-   through :class:`fgdiloco.LocalHub` and run the real :class:`fgdiloco.FGDiLoCo` wrapper; every variant starts
-   from the same weights and sees the same batches. Variants: DiLoCo (``topology="allreduce"``), FG-DiLoCo with
-   the dense codec and with the default low-rank codec (``LowRank(rank=4)``, int8), ``mix2_rounds`` ∈ {0, 1, 2},
-   each with the outer momentum gossiped in Mix1 (``mix_momentum=True``, the default) or kept local. Reported
-   per round: held-out loss of each worker and of the workers' average model, the disagreement of parameters,
-   pseudo-gradients (before and after Mix2: Mix2's contraction on real pseudo-gradients) and outer momentum
-   (RMS per element of ``x_i − x̄`` over all workers, and relative to ``‖x̄‖``), and bytes per worker.
+1. **Training** (the example GPT, 2 layers of width 64, on the bundled corpus, 4 workers, batches of 16 × 64 tokens,
+   H = 5, 100 outer rounds, AdamW inner at lr 3e-3 with clipping at 1.0, Nesterov outer lr 0.7 / momentum 0.9,
+   DiLoCo's long-run setting). The workers are threads of this process talking through :class:`fgdiloco.LocalHub`;
+   each runs the example job's training loop (:class:`fgdiloco.pretrain.loop.Loop`) with the real
+   :class:`fgdiloco.FGDiLoCo` wrapper (:class:`fgdiloco.pretrain.sync.FGDiLoCoSync`) and reports into the variant's
+   shared accumulators; every variant starts from the same weights and sees the same batches. Variants: DiLoCo
+   (``topology="allreduce"``), FG-DiLoCo with the dense codec and with the default low-rank codec
+   (``LowRank(rank=4)``, int8), ``mix2_rounds`` ∈ {0, 1, 2}, each with the outer momentum gossiped in Mix1
+   (``mix_momentum=True``, the default) or kept local. Reported per round: held-out loss of each worker and of the
+   workers' average model, the disagreement of parameters, pseudo-gradients (before and after Mix2: Mix2's
+   contraction on real pseudo-gradients) and outer momentum (RMS per element of ``x_i − x̄`` over all workers, and
+   relative to ``‖x̄‖``), and bytes per worker.
 2. **Matrices** (the simulator's setting: M = 8 and 32 workers, one random matching per gossip round,
    ``64 × 96`` pseudo-gradients = a shared component + per-worker noise, the shared part 0×, 1× or 1000× the
    noise): one pairwise round's contraction ``‖(I−J)X̄‖ / ‖(I−J)X‖`` per codec, averaged over 6 rounds, through the
@@ -36,12 +38,15 @@ from pathlib import Path
 
 import torch
 
-from fgdiloco import FGDiLoCo, LocalHub
+from fgdiloco import FGDiLoCoConfig, LocalHub
 from fgdiloco.factor import BF16, Dense, Int8, LowRank
 from fgdiloco.gossip import make_topology
 from fgdiloco.gossip.mix import pair_round_in_process
 from fgdiloco.pretrain.data import build_tokenizer, encode_corpus, load_text, sample_batch, split_tokens
+from fgdiloco.pretrain.loop import Loop, Point, Reporter, RoundEnd
 from fgdiloco.pretrain.model import GPT, GPTConfig
+from fgdiloco.pretrain.recipe import held_out_loss
+from fgdiloco.pretrain.sync import FGDiLoCoSync
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -106,61 +111,74 @@ def _data(quick: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
     return train, val, tok.vocab_size
 
 
-def _eval(model: GPT, val: torch.Tensor, batches: int = 4) -> float:
+def _eval_set(val: torch.Tensor, batches: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(999)
-    with torch.no_grad():
-        return statistics.fmean(float(model(*sample_batch(val, 16, BLOCK, g))[1]) for _ in range(batches))
+    return [sample_batch(val, 16, BLOCK, g) for _ in range(batches)]
+
+
+class _Spreads(Reporter):
+    """One worker's reports into the variant's shared accumulators: every round the disagreement of its round-start
+    parameters and outer momentum and its bytes sent; at every evaluation point its held-out loss."""
+
+    def __init__(self, shared: dict, sync: FGDiLoCoSync, eval_every: int, rounds: int):
+        self.shared, self.opt, self.eval_every, self.rounds = shared, sync.opt, eval_every, rounds
+
+    def round_done(self, end: RoundEnd) -> None:
+        t = end.done - 1
+        evaluated = end.done % self.eval_every == 0 or end.done == self.rounds
+        self.shared["params"].add(t, self.opt.outer.theta0, keep_mean=evaluated)
+        self.shared["momentum"].add(t, self.opt.outer.momentum)
+        with self.shared["lock"]:
+            self.shared["bytes"].setdefault(t, []).append(end.stats["bytes_sent"])
+
+    def record(self, point: Point) -> bool:
+        if point.round > 0:
+            with self.shared["lock"]:
+                self.shared["losses"].setdefault(point.round - 1, []).append(point.eval_loss)
+        return False
+
+
+def _worker(rank: int, knobs: dict, hub: LocalHub, init: dict, cfg: GPTConfig, data: tuple, shared: dict,
+            rounds: int, eval_every: int) -> None:
+    """One worker (a thread): the example job's training loop with FG-DiLoCo on the in-process hub, AdamW at a
+    constant learning rate, clipping at ``GRAD_CLIP``; Mix2's inputs and outputs recorded for its contraction."""
+    train, val, _ = data
+    torch.set_num_threads(1)
+    model = GPT(cfg)
+    model.load_state_dict(init)
+    config = FGDiLoCoConfig.build(sync_every=H, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM, timeout=120.0,
+                                  seed=1, **{k: (v() if callable(v) else v) for k, v in knobs.items()})
+    sync = FGDiLoCoSync(model, torch.optim.AdamW(model.parameters(), lr=INNER_LR), config, grad_clip=GRAD_CLIP,
+                        transport=hub.transport(rank))
+    real_run = sync.opt._mixer2.run
+
+    def recorded(values, outer_round):
+        shared["delta_in"].add(outer_round, values)
+        res = real_run(values, outer_round)
+        shared["delta_out"].add(outer_round, res.values)
+        return res
+
+    sync.opt._mixer2.run = recorded
+    g = torch.Generator().manual_seed(1000 + rank)
+    Loop(sync, _Spreads(shared, sync, eval_every, rounds), lambda step: sample_batch(train, BATCH, BLOCK, g),
+         _eval_set(val), steps=rounds * H, sync_every=H, eval_every=eval_every).run()
 
 
 def train_variant(name: str, knobs: dict, rounds: int, data: tuple, eval_every: int) -> dict:
+    """The variant ``knobs`` on ``WORKERS`` threads for ``rounds`` rounds: per-round disagreement, Mix2's
+    contraction, bytes, and the held-out losses of the workers and of their average model."""
     train, val, vocab = data
     hub = LocalHub(WORKERS)
     cfg = GPTConfig(vocab, BLOCK, **MODEL)
     torch.manual_seed(0)
     init = GPT(cfg).state_dict()
-    params_spread, momentum_spread = _Spread(WORKERS), _Spread(WORKERS)
-    delta_in, delta_out = _Spread(WORKERS), _Spread(WORKERS)
-    losses: dict[int, list[float]] = {}
-    bytes_sent: dict[int, list[int]] = {}
+    shared = {"params": _Spread(WORKERS), "momentum": _Spread(WORKERS), "delta_in": _Spread(WORKERS),
+              "delta_out": _Spread(WORKERS), "losses": {}, "bytes": {}, "lock": threading.Lock()}
     errors: list[BaseException] = []
-    lock = threading.Lock()
 
     def worker(rank: int) -> None:
         try:
-            torch.set_num_threads(1)
-            model = GPT(cfg)
-            model.load_state_dict(init)
-            kw = {k: (v() if callable(v) else v) for k, v in knobs.items()}
-            opt = FGDiLoCo(model, torch.optim.AdamW(model.parameters(), lr=INNER_LR), sync_every=H,
-                           outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM, transport=hub.transport(rank),
-                           timeout=120.0, seed=1, **kw)
-            real_run = opt._mixer2.run
-
-            def recorded(values, outer_round):
-                delta_in.add(outer_round, values)
-                res = real_run(values, outer_round)
-                delta_out.add(outer_round, res.values)
-                return res
-
-            opt._mixer2.run = recorded
-            g = torch.Generator().manual_seed(1000 + rank)
-            for t in range(rounds):
-                for _ in range(H):
-                    x, y = sample_batch(train, BATCH, BLOCK, g)
-                    model(x, y)[1].backward()
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
-                    opt.step()
-                    opt.zero_grad()
-                s = opt.last_round
-                params_spread.add(t, opt.outer.theta0, keep_mean=(t + 1) % eval_every == 0 or t == rounds - 1)
-                momentum_spread.add(t, opt.outer.momentum)
-                with lock:
-                    bytes_sent.setdefault(t, []).append(s.bytes_sent)
-                if (t + 1) % eval_every == 0 or t == rounds - 1:
-                    loss = _eval(model, val)
-                    with lock:
-                        losses.setdefault(t, []).append(loss)
-            opt.close()
+            _worker(rank, knobs, hub, init, cfg, data, shared, rounds, eval_every)
         except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
             errors.append(e)
             hub.dead.add(rank)
@@ -173,19 +191,23 @@ def train_variant(name: str, knobs: dict, rounds: int, data: tuple, eval_every: 
         th.join()
     if errors:
         raise errors[0]
-    seconds = time.perf_counter() - t0
+    rows = _rows(shared, rounds, cfg, val)
+    return {"summary": _summary(name, time.perf_counter() - t0, rows, rounds), "rounds": rows}
 
+
+def _rows(shared: dict, rounds: int, cfg: GPTConfig, val: torch.Tensor) -> list[dict]:
+    params, momentum, delta_in, delta_out = (shared[k] for k in ("params", "momentum", "delta_in", "delta_out"))
     avg_model = GPT(cfg)
     names = [n for n, p in avg_model.named_parameters() if p.requires_grad]
     rows = []
     for t in range(rounds):
-        row = {"round": t + 1, "bytes_sent_per_worker": statistics.fmean(bytes_sent[t]),
-               "param_rms": params_spread.done[t][0], "param_relative": params_spread.done[t][1],
-               "momentum_rms": momentum_spread.done[t][0], "momentum_relative": momentum_spread.done[t][1],
+        row = {"round": t + 1, "bytes_sent_per_worker": statistics.fmean(shared["bytes"][t]),
+               "param_rms": params.done[t][0], "param_relative": params.done[t][1],
+               "momentum_rms": momentum.done[t][0], "momentum_relative": momentum.done[t][1],
                "pseudo_gradient_relative": delta_in.done[t][1],
                "mix2_contraction": (delta_out.done[t][0] / delta_in.done[t][0]) if delta_in.done[t][0] > 0 else 0.0}
-        if t in losses:
-            mean = params_spread.done[t][2]
+        if t in shared["losses"]:
+            mean = params.done[t][2]
             off, sd = 0, {}
             for n, p in avg_model.named_parameters():
                 if n in names:
@@ -194,13 +216,17 @@ def train_variant(name: str, knobs: dict, rounds: int, data: tuple, eval_every: 
             with torch.no_grad():
                 for n, p in avg_model.named_parameters():
                     p.copy_(sd[n])
-            row["loss_workers"] = sorted(losses[t])
-            row["loss_average_model"] = _eval(avg_model, val)
+            row["loss_workers"] = sorted(shared["losses"][t])
+            row["loss_average_model"] = held_out_loss(avg_model, _eval_set(val))
         rows.append(row)
+    return rows
+
+
+def _summary(name: str, seconds: float, rows: list[dict], rounds: int) -> dict:
     half = rounds // 2
     second = [r["param_relative"] for r in rows[half:]]
     q = max(len(second) // 4, 1)
-    summary = {
+    return {
         "variant": name,
         "seconds": seconds,
         "final_loss_average_model": rows[-1]["loss_average_model"],
@@ -211,7 +237,6 @@ def train_variant(name: str, knobs: dict, rounds: int, data: tuple, eval_every: 
         "mix2_contraction_median": statistics.median(r["mix2_contraction"] for r in rows[1:]),
         "bytes_sent_per_worker_per_round": statistics.fmean(r["bytes_sent_per_worker"] for r in rows[1:]),
     }
-    return {"summary": summary, "rounds": rows}
 
 
 def matrix_study(ms: tuple[int, ...] = (8, 32), rounds: int = 6) -> list[dict]:
@@ -269,7 +294,7 @@ def plot(results: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--rounds", type=int, default=100)
     p.add_argument("--quick", action="store_true", help="30 rounds and four variants")
     p.add_argument("--eval-every", type=int, default=10)

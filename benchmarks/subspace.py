@@ -57,9 +57,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from fgdiloco.factor import SubspaceCodec
+from fgdiloco.pretrain.config import TrainConfig
 from fgdiloco.pretrain.data import (
     build_tokenizer,
     cache_dir_for,
@@ -69,33 +68,10 @@ from fgdiloco.pretrain.data import (
     split_tokens,
     unigram_loss,
 )
-from fgdiloco.pretrain.model import GPT, GPTConfig
+from fgdiloco.pretrain.model import GPT, GPTConfig, two_stage_step
 from fgdiloco.pretrain.recipe import clip_gradients, inner_optimizer, next_batch
-from fgdiloco.pretrain.worker import TrainConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def two_stage_step(model: GPT, idx: torch.Tensor, targets: torch.Tensor, codec: SubspaceCodec | None,
-                   cut: int) -> tuple[float, int, int]:
-    """One forward + backward of ``model`` split after block ``cut`` into two simulated stages; returns
-    ``(loss, bytes forward, bytes backward)`` of what crossed the boundary. Gradients accumulate in ``model``."""
-    t = model.transformer
-    pos = torch.arange(idx.shape[1])
-    x = t.drop(t.wte(idx) + t.wpe(pos))
-    for block in t.h[:cut]:
-        x = block(x)
-    sent = x if codec is None else codec.boundary_out(x, idx)  # stage 0's output
-    received = sent.detach().requires_grad_()  # the wire
-    x = received if codec is None else codec.boundary_in(received, idx)
-    for block in t.h[cut:]:
-        x = block(x)
-    logits = model.lm_head(t.ln_f(x))
-    loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
-    loss.backward()  # stage 1
-    sent.backward(received.grad)  # stage 0, from the gradient that came back
-    grad = received.grad
-    return float(loss.detach()), sent.numel() * sent.element_size(), grad.numel() * grad.element_size()
 
 
 @torch.no_grad()

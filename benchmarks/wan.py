@@ -49,41 +49,25 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fgdiloco.simulate import JOB as SIMULATED_JOB
+from fgdiloco.pretrain.comparison import (
+    DIED_EXIT_CODE,
+    FAMILY,
+    JOB,
+    LABEL,
+    METHODS,
+    PEERS,
+    compare,
+    dead_worker_cost,
+    peer_targets,
+    ratio_key,
+    row_loss,
+    targets,
+)
+from fgdiloco.pretrain.merge import read_rank_rows, write_merged
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
 
-#: The job every method runs (also the "real GPT" whose codec bytes the simulator measures): one definition, in
-#: the package, since the installed ``fgdiloco simulate`` needs it without this folder.
-JOB: dict[str, Any] = dict(SIMULATED_JOB)
-
-#: method name -> TrainConfig overrides
-METHODS: dict[str, dict[str, Any]] = {
-    "ddp": {"baseline": "ddp"},
-    "diloco": {"topology": "allreduce", "codec": "dense", "mix2_rounds": 1},
-    "localsgd": {"baseline": "localsgd"},
-    "fg-dense-r2=0": {"topology": "random", "codec": "dense", "mix2_rounds": 0},
-    "fg-dense-r2=1": {"topology": "random", "codec": "dense", "mix2_rounds": 1},
-    "fg-lowrank-r2=0": {"topology": "random", "codec": "lowrank", "rank": 4, "mix2_rounds": 0},
-    "fg-lowrank-r2=1": {"topology": "random", "codec": "lowrank", "rank": 4, "mix2_rounds": 1},
-    # the peers (benchmarks/peers.py; torchft from `pip install -e ".[bench]"`): torchft's DiLoCo, and its Streaming
-    # DiLoCo with the model in 2 fragments (embeddings + block 0 | block 1 + final norm), one synchronised every
-    # H / 2 steps, each all-reduce started 2 inner steps before it is needed and the result mixed half-half with
-    # the local fragment (Streaming DiLoCo's tau and alpha). should_quantize stays off: torchft's quantised
-    # all-reduce is Triton (GPU) code and without Triton torchft silently sends fp32 anyway.
-    "torchft-diloco": {"peer": {"backend": "torchft", "fragments": 1}},
-    "torchft-streaming": {"peer": {"backend": "torchft", "fragments": 2, "fragment_sync_delay": 2,
-                                   "fragment_update_alpha": 0.5}},
-}
-#: the methods --peers adds to the default set
-PEERS = ("torchft-diloco", "torchft-streaming")
-FAMILY = {"ddp": "ddp", "diloco": "diloco", "localsgd": "localsgd", "torchft-diloco": "torchft",
-          "torchft-streaming": "torchft"}
-LABEL = {"ddp": "DDP (per step)", "diloco": "DiLoCo", "localsgd": "post-local SGD (PyTorch)",
-         "fg-dense-r2=0": "FG-DiLoCo dense, r2=0", "fg-dense-r2=1": "FG-DiLoCo dense, r2=1",
-         "fg-lowrank-r2=0": "FG-DiLoCo LowRank r4 int8, r2=0", "fg-lowrank-r2=1": "FG-DiLoCo LowRank r4 int8, r2=1",
-         "torchft-diloco": "torchft DiLoCo", "torchft-streaming": "torchft Streaming DiLoCo (F=2, tau=2, alpha=0.5)"}
 #: --peers: the dead-worker runs (one worker os._exit()s mid-round), at 100 Mbit/s
 FAULT_METHODS = ("torchft-diloco", "torchft-streaming", "fg-lowrank-r2=1")
 FAULT_RANK = 3
@@ -95,10 +79,9 @@ FAULT_TIMEOUT = 5.0
 # ---------------------------------------------------------------------------------------------------- worker side
 def worker_main(config_path: str) -> int:
     """One worker, inside its namespace: torchrun-style env vars are set by the orchestrator."""
-    import dataclasses
-
     import fgdiloco
-    from fgdiloco.pretrain.worker import TrainConfig, train_worker
+    from fgdiloco.pretrain.config import TrainConfig
+    from fgdiloco.pretrain.worker import train_worker
 
     print(f"[wan worker] fgdiloco from {Path(fgdiloco.__file__).parent}", flush=True)
     raw = json.loads(Path(config_path).read_text())
@@ -106,11 +89,10 @@ def worker_main(config_path: str) -> int:
         from benchmarks.peers import peer_worker
 
         return peer_worker(raw)
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
-    dropped = sorted(set(raw) - known)
+    dropped = sorted(set(raw) - set(TrainConfig.names()))
     if dropped:
         print(f"[wan worker] this fgdiloco has no {dropped}: ignored", flush=True)
-    train_worker(TrainConfig(**{k: v for k, v in raw.items() if k in known}))
+    train_worker(TrainConfig.from_dict(raw, strict=False))
     return 0
 
 
@@ -120,38 +102,6 @@ def _rows(run_dir: Path) -> list[dict[str, Any]]:
     if not p.is_file():
         return []
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
-
-
-def _loss(row: dict[str, Any]) -> float:
-    v = row.get("eval_loss_mean")
-    return row["eval_loss"] if v is None else v
-
-
-def crossing(rows: list[dict[str, Any]], key: str, target: float) -> float | None:
-    """First value of ``key`` (linearly interpolated between evaluations) at which the loss reaches ``target``."""
-    prev = None
-    for r in rows:
-        if _loss(r) <= target:
-            if prev is None:
-                return float(r[key])
-            l0, l1 = _loss(prev), _loss(r)
-            f = (l0 - target) / (l0 - l1) if l0 != l1 else 1.0
-            return float(prev[key] + f * (r[key] - prev[key]))
-        prev = r
-    return None
-
-
-def loss_at(rows: list[dict[str, Any]], tokens: float) -> float | None:
-    """Held-out loss at ``tokens`` (interpolated); None when the run did not get there."""
-    prev = None
-    for r in rows:
-        if r["tokens"] >= tokens:
-            if prev is None or r["tokens"] == tokens:
-                return _loss(r)
-            f = (tokens - prev["tokens"]) / (r["tokens"] - prev["tokens"])
-            return _loss(prev) + f * (_loss(r) - _loss(prev))
-        prev = r
-    return None
 
 
 def summarise_run(name: str, bw: float, run_dir: Path, meta: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
@@ -189,8 +139,8 @@ def summarise_run(name: str, bw: float, run_dir: Path, meta: dict[str, Any], job
         "utilisation": util,
         "round_seconds": wall / rounds if rounds else None,
         "step_seconds_compute": (util * wall / steps_done) if util is not None and steps_done else None,
-        "initial_loss": _loss(rows[0]),
-        "final_loss": _loss(last),
+        "initial_loss": row_loss(rows[0]),
+        "final_loss": row_loss(last),
         "final_loss_rank0": last["eval_loss"],
         "wire_tx_bytes_per_worker": tx,
         "wire_rx_bytes_per_worker": last.get("net_rx_bytes_mean"),
@@ -203,7 +153,7 @@ def summarise_run(name: str, bw: float, run_dir: Path, meta: dict[str, Any], job
         "mix1_wait_seconds_mean": _mean(r.get("mix1_wait_seconds") for r in train_rows),
         "mix1_seconds_mean": _mean(r.get("mix1_seconds") for r in train_rows),
         "outer_seconds": None,
-        "curve": [{"tokens": r["tokens"], "train_seconds": r["train_seconds"], "loss": _loss(r)} for r in rows],
+        "curve": [{"tokens": r["tokens"], "train_seconds": r["train_seconds"], "loss": row_loss(r)} for r in rows],
     })
     return out
 
@@ -212,121 +162,6 @@ def _mean(xs: Any) -> float | None:
     v = [x for x in xs if x is not None]
     return sum(v) / len(v) if v else None
 
-
-
-def ratio_key(ref: str) -> str:
-    """The key of the ratios to method ``ref`` in a :func:`compare` row (``ratio_to_diloco``,
-    ``ratio_to_torchft_diloco``)."""
-    return "ratio_to_" + ref.replace("-", "_")
-
-
-def compare(runs: list[dict[str, Any]], bandwidths: list[float], ref_method: str = "diloco") -> dict[str, Any]:
-    """Targets, time/tokens to target, loss at equal tokens and ratios to ``ref_method`` (its final held-out loss
-    is the target, its tokens the equal-token point), per bandwidth."""
-    table: dict[str, Any] = {}
-    key = ratio_key(ref_method)
-    for bw in bandwidths:
-        here = [r for r in runs if r["bandwidth_mbit"] == bw and not r.get("error")]
-        ref = next((r for r in here if r["method"] == ref_method), None)
-        if ref is None:
-            continue
-        target = ref["final_loss"]
-        loose = target * (1 + LOOSE)
-        tokens_eq = ref["tokens"]
-        rows = {}
-        for r in here:
-            t_time = crossing(_curve_rows(r), "train_seconds", target)
-            t_tok = crossing(_curve_rows(r), "tokens", target)
-            leq = loss_at(_curve_rows(r), tokens_eq)
-            rows[r["method"]] = {
-                "seconds_to_loose_target": crossing(_curve_rows(r), "train_seconds", loose),
-                "tokens_to_loose_target": crossing(_curve_rows(r), "tokens", loose),
-                "utilisation": r["utilisation"],
-                "train_seconds": r["train_seconds"],
-                "tokens": r["tokens"],
-                "capped": r["capped"],
-                "seconds_to_target": t_time,
-                "tokens_to_target": t_tok,
-                "loss_at_equal_tokens": leq,
-                "final_loss": r["final_loss"],
-                "wire_tx_bytes_per_worker": r["wire_tx_bytes_per_worker"],
-            }
-        base = rows[ref_method]
-        for row in rows.values():
-            row[key] = {
-                "utilisation": _ratio(row["utilisation"], base["utilisation"]),
-                "seconds_to_target": _ratio(row["seconds_to_target"], base["seconds_to_target"]),
-                "seconds_to_loose_target": _ratio(row["seconds_to_loose_target"], base["seconds_to_loose_target"]),
-                "tokens_to_target": _ratio(row["tokens_to_target"], base["tokens_to_target"]),
-                "loss_at_equal_tokens": _ratio(row["loss_at_equal_tokens"], base["loss_at_equal_tokens"]),
-                "wire_tx_bytes_per_worker": _ratio(row["wire_tx_bytes_per_worker"], base["wire_tx_bytes_per_worker"]),
-                "train_seconds": _ratio(row["train_seconds"], base["train_seconds"]),
-            }
-        table[f"{bw:g}"] = {"reference": ref_method, "target_loss": target, "loose_target_loss": loose,
-                            "equal_tokens": tokens_eq, "methods": rows}
-    return table
-
-
-LOOSE = 0.01  # the second target: within 1 % of DiLoCo's final loss
-
-
-def _curve_rows(r: dict[str, Any]) -> list[dict[str, Any]]:
-    return [{"tokens": c["tokens"], "train_seconds": c["train_seconds"], "eval_loss_mean": c["loss"],
-             "eval_loss": c["loss"]} for c in r.get("curve", [])]
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or b == 0:
-        return None
-    return a / b
-
-
-def targets(table: dict[str, Any]) -> dict[str, Any]:
-    """The issue's targets at 100 Mbit/s for FG-DiLoCo (LowRank, mix2_rounds=1)."""
-    t = table.get("100")
-    if not t or "fg-lowrank-r2=1" not in t["methods"]:
-        return {"evaluated": False}
-    fg, dl = t["methods"]["fg-lowrank-r2=1"], t["methods"]["diloco"]
-    rel = (fg["loss_at_equal_tokens"] / dl["loss_at_equal_tokens"] - 1) if fg["loss_at_equal_tokens"] else None
-    ratio = fg["ratio_to_diloco"]["seconds_to_target"]
-    return {
-        "evaluated": True,
-        "fg_utilisation": fg["utilisation"],
-        "fg_utilisation_ge_95pct": fg["utilisation"] is not None and fg["utilisation"] >= 0.95,
-        "diloco_utilisation": dl["utilisation"],
-        "diloco_utilisation_lower": dl["utilisation"] < fg["utilisation"],
-        "fg_loss_rel_diff_at_equal_tokens": rel,
-        "fg_loss_within_2pct": rel is not None and rel <= 0.02,
-        "fg_seconds_to_diloco_final_loss_ratio": ratio,
-        "fg_time_ratio_le_0.8": ratio is not None and ratio <= 0.8,
-        "fg_seconds_to_within_1pct_of_diloco_final_loss_ratio": fg["ratio_to_diloco"]["seconds_to_loose_target"],
-    }
-
-
-def peer_targets(peers_table: dict[str, Any]) -> dict[str, Any]:
-    """The issue's targets at 100 Mbit/s against torchft: FG-DiLoCo (LowRank, r2=1) reaches torchft DiLoCo's final
-    held-out loss in <= 0.7x torchft DiLoCo's wall time and in <= 1.0x Streaming DiLoCo's."""
-    t = peers_table.get("100")
-    need = ("fg-lowrank-r2=1", "torchft-diloco", "torchft-streaming")
-    if not t or any(m not in t["methods"] for m in need):
-        return {"evaluated": False}
-    fg, tf, st = (t["methods"][m] for m in need)
-    vs_tf = _ratio(fg["seconds_to_target"], tf["seconds_to_target"])
-    vs_st = _ratio(fg["seconds_to_target"], st["seconds_to_target"])
-    return {
-        "evaluated": True,
-        "target_loss": t["target_loss"],
-        "fg_seconds_to_target": fg["seconds_to_target"],
-        "torchft_diloco_seconds_to_target": tf["seconds_to_target"],
-        "torchft_streaming_seconds_to_target": st["seconds_to_target"],
-        "fg_vs_torchft_diloco": vs_tf,
-        "fg_vs_torchft_diloco_le_0.7": vs_tf is not None and vs_tf <= 0.7,
-        "fg_vs_torchft_streaming": vs_st,
-        # Streaming DiLoCo never reaching the target counts as met when FG-DiLoCo does
-        "fg_vs_torchft_streaming_le_1.0": (vs_st is not None and vs_st <= 1.0)
-        or (fg["seconds_to_target"] is not None and st["seconds_to_target"] is None),
-        "utilisation": {m: t["methods"][m]["utilisation"] for m in need},
-    }
 
 
 # ---------------------------------------------------------------------------------------------------- plots
@@ -486,8 +321,6 @@ def run_one(net: Any, name: str, bw: float, job: dict[str, Any], run_dir: Path, 
         lh_log = open(run_dir / "lighthouse.log", "w")  # noqa: SIM115 - closed below
         lighthouse = (net.popen(0, [lighthouse_binary(), "--bind", f"{net.addrs[0]}:{lh_port}", "--min_replicas",
                                     str(peer["min_replicas"])], stdout=lh_log, stderr=subprocess.STDOUT), lh_log)
-    from benchmarks.peers import DIED_EXIT_CODE
-
     expected = {fault["die_rank"]: DIED_EXIT_CODE} if fault else {}
     for i in range(job["workers"]):
         env = {**env_common, **net.dist_env(i, port), "FGDB_ADDR": net.addrs[i]}
@@ -529,8 +362,6 @@ def run_one(net: Any, name: str, bw: float, job: dict[str, Any], run_dir: Path, 
     if lighthouse is not None:  # CPU seconds the lighthouse used over the whole run (in worker 0's namespace)
         meta["lighthouse_cpu_seconds"] = lighthouse_cpu
     if peer is not None and (run_dir / "rank0.jsonl").is_file():
-        from benchmarks.peers import write_merged
-
         write_merged(run_dir)
     if error and (run_dir / "summary.json").is_file():
         # rank 0 wrote the complete summary: the failure came after training (seen once: a worker aborted with
@@ -545,7 +376,7 @@ def run_one(net: Any, name: str, bw: float, job: dict[str, Any], run_dir: Path, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     ap.add_argument("--worker", metavar="CONFIG", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="2-minute smoke run: 100 Mbit/s, fewer steps")
     ap.add_argument("--peers", action="store_true",
@@ -737,9 +568,8 @@ def reanalyse(path: Path) -> int:
 
 
 def fault_summary(run_dir: Path, fault: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
-    """:func:`benchmarks.peers.dead_worker_cost` for each survivor of a dead-worker run, and their mean."""
-    from benchmarks.peers import dead_worker_cost, read_rank_rows
-
+    """:func:`fgdiloco.pretrain.comparison.dead_worker_cost` for each survivor of a dead-worker run, and their
+    mean."""
     per_rank = read_rank_rows(run_dir)
     costs = {}
     for rank, rows in sorted(per_rank.items()):

@@ -6,154 +6,86 @@ checked is checked before a worker starts (exit status 2, one line naming the op
 in one line (exit 1) with its traceback kept under ``--out/logs``; Ctrl-C stops the workers, summarises the rounds
 done and exits with 130.
 
-``fgdiloco simulate``: the analytic round model of :mod:`fgdiloco.simulate`.
+``fgdiloco simulate``: the analytic round model of :mod:`fgdiloco.pretrain.simulate`.
 
-Each subcommand adds itself in its own ``add_<name>_parser`` function; the pretrain options are the table
-:data:`PRETRAIN_OPTIONS`, one row per :class:`~fgdiloco.pretrain.worker.TrainConfig` field.
+Each subcommand adds itself in its own ``add_<name>_parser`` function. The pretrain flags are generated from the
+fields of :class:`~fgdiloco.pretrain.config.TrainConfig` (:func:`~fgdiloco.pretrain.config.add_train_arguments`),
+the FG-DiLoCo settings among them from :class:`fgdiloco.FGDiLoCoConfig`'s (:func:`fgdiloco.config.add_arguments`),
+so a new setting is a new flag with no change here. Every parser takes whole option names only (no prefixes: a
+misspelt ``--worker`` is refused, not taken for ``--workers``) and reports a bad command line in one line.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
+import importlib.util
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-__all__ = ["PRETRAIN_OPTIONS", "build_parser", "main"]
+__all__ = ["build_parser", "main"]
 
 #: Exit status after Ctrl-C (128 + SIGINT), as shells report it.
 EXIT_INTERRUPTED = 130
 
+#: What ``fgdiloco pretrain`` and ``fgdiloco simulate`` need beyond the library (``pip install 'fgdiloco[pretrain]'``).
+PRETRAIN_EXTRA = ("tokenizers", "matplotlib", "rich")
 
-def _int_at_least(minimum: int) -> Any:
-    """An argparse ``type`` accepting integers >= ``minimum``."""
 
-    def parse(text: str) -> int:
+class _Parser(argparse.ArgumentParser):
+    """An argument parser that refuses abbreviated options and reports an error in one line (no usage block)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def refuse_extra(self, extra: list[str]) -> NoReturn:
+        """The error for arguments this parser does not know, with the closest option names."""
+        known = [o for a in self._actions for o in a.option_strings]
+        hints = sorted({m for x in extra if x.startswith("--")
+                        for m in difflib.get_close_matches(x.split("=")[0], known, n=1, cutoff=0.75)})
+        self.error(f"unrecognized arguments: {' '.join(extra)}"
+                   + (f"; did you mean {' or '.join(hints)}?" if hints else ""))
+
+
+def _add_command(subparsers: Any, name: str, **kwargs: Any) -> _Parser:
+    return subparsers.add_parser(name, allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                 **kwargs)
+
+
+def _missing_extra(prog: str) -> int | None:
+    """Exit status 1 after one line when the ``[pretrain]`` extra is not installed; None when it is."""
+    missing = []
+    for name in PRETRAIN_EXTRA:
         try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
-        if v < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {v}")
-        return v
-
-    return parse
-
-
-_positive_int = _int_at_least(1)
-_count = _int_at_least(0)
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not v > 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
-    return v
-
-
-def _choices(name: str) -> tuple[str, ...]:
-    from .pretrain import worker
-
-    return getattr(worker, name)
-
-
-#: ``(group, field, argparse keywords)``: one row per option of ``fgdiloco pretrain``; the flag is the
-#: :class:`~fgdiloco.pretrain.worker.TrainConfig` field with dashes, the default is the field's default. A
-#: callable ``choices`` is resolved when the parser is built.
-PRETRAIN_OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
-    ("workers and synchronisation", "workers",
-     {"type": _positive_int, "help": "worker processes M = replicas x stages"}),
-    ("workers and synchronisation", "stages",
-     {"type": _positive_int, "help": "pipeline stages S per replica (must divide --workers, at most --n-layer): "
-                                     "each replica is S workers holding GPT.split(S), run with the 1F1B schedule; "
-                                     "gossip mixes the same stage of the replicas. S > 1 is not elastic: one "
-                                     "torchelastic job, one death ends the job"}),
-    ("workers and synchronisation", "microbatches",
-     {"type": _positive_int, "help": "microbatches per batch with --stages > 1 (must divide --batch-size, at "
-                                     "least --stages)"}),
-    ("workers and synchronisation", "steps", {"type": _positive_int, "help": "inner optimizer steps per worker"}),
-    ("workers and synchronisation", "sync_every", {"type": _positive_int, "help": "H: inner steps per outer round"}),
-    ("workers and synchronisation", "topology", {"choices": lambda: _choices("TOPOLOGIES"),
-                                                 "help": "gossip topology"}),
-    ("workers and synchronisation", "mix1_rounds",
-     {"type": _count, "help": "gossip rounds of Mix1 (non-blocking parameter mix) per outer round"}),
-    ("workers and synchronisation", "mix2_rounds",
-     {"type": _count, "help": "gossip rounds of Mix2 (blocking pseudo-gradient mix) per outer round"}),
-    ("workers and synchronisation", "codec", {"choices": lambda: _choices("CODECS"), "help": "Mix2's codec"}),
-    ("workers and synchronisation", "rank", {"type": _positive_int, "help": "rank of the lowrank codec"}),
-    ("workers and synchronisation", "outer_lr", {"type": _positive_float, "help": "outer learning rate"}),
-    ("workers and synchronisation", "outer_momentum", {"type": float, "help": "outer Nesterov momentum"}),
-    ("workers and synchronisation", "baseline",
-     {"choices": ["ddp", "localsgd"], "help": "train a comparison instead: 'ddp' (DistributedDataParallel, "
-                                              "gradients all-reduced every step) or 'localsgd' (PyTorch's "
-                                              "PeriodicModelAverager every --sync-every steps). Not elastic: one "
-                                              "torchelastic job, one death ends the job"}),
-    ("workers and synchronisation", "timeout", {"type": _positive_float, "help": "seconds per gossip exchange"}),
-    ("elastic workers (FG-DiLoCo, --stages 1, a gossip topology)", "max_restarts",
-     {"type": _count, "help": "torchrun restarts of each worker before it is given up (each worker is its own "
-                              "torchrun job: a dead worker is restarted, continues from its checkpoint and rejoins "
-                              "at the live round; the others never stop)"}),
-    ("elastic workers (FG-DiLoCo, --stages 1, a gossip topology)", "checkpoint_every",
-     {"type": _positive_int, "metavar": "R", "help": "outer rounds between each worker's checkpoints "
-                                                     "(--out/checkpoints/worker<k>.pt, atomic; also after the "
-                                                     "last round)"}),
-    ("inner optimizer and batches", "lr", {"type": _positive_float, "help": "AdamW peak learning rate"}),
-    ("inner optimizer and batches", "warmup_steps", {"type": _count, "help": "linear warm-up steps"}),
-    ("inner optimizer and batches", "weight_decay", {"type": float, "help": "AdamW weight decay"}),
-    ("inner optimizer and batches", "grad_clip", {"type": float, "help": "gradient-norm clipping (0: off)"}),
-    ("inner optimizer and batches", "batch_size", {"type": _positive_int, "help": "sequences per step per worker"}),
-    ("inner optimizer and batches", "block_size", {"type": _positive_int, "help": "tokens per sequence"}),
-    ("model", "n_layer", {"type": _positive_int, "help": "transformer blocks"}),
-    ("model", "n_head", {"type": _positive_int, "help": "attention heads"}),
-    ("model", "n_embd", {"type": _positive_int, "help": "model width"}),
-    ("model", "dropout", {"type": float, "help": "dropout probability"}),
-    ("model", "subspace_rank",
-     {"type": _positive_int, "metavar": "K", "help": "GPT(subspace_rank=K): residual-stream writes through a fixed "
-                                                    "n_embd x K basis (Subspace Networks); with --stages > 1 each "
-                                                    "stage boundary sends K numbers per token instead of n_embd "
-                                                    "(default: the plain model)%(default).0s"}),
-    ("data", "data", {"metavar": "PATH", "help": "UTF-8 text file or folder of .txt files (default: the bundled "
-                                                 "public-domain corpus)%(default).0s"}),
-    ("data", "tokenizer", {"choices": ["bpe", "bytes"],
-                           "help": "byte-level BPE (trained on the data, cached) or raw UTF-8 bytes"}),
-    ("data", "vocab_size", {"type": _positive_int, "help": "BPE vocabulary size"}),
-    ("data", "val_fraction", {"type": float, "help": "held-out tail of the tokens"}),
-    ("data", "cache_dir", {"metavar": "DIR", "help": "where to cache the tokenizer and token ids (default: "
-                                                     "$XDG_CACHE_HOME/fgdiloco, i.e. ~/.cache/fgdiloco, for the "
-                                                     "bundled corpus; .fgdiloco-cache/ beside other data when "
-                                                     "writable)%(default).0s"}),
-    ("output", "seed", {"type": _count, "help": "random seed (model, batches, gossip schedule)"}),
-    ("output", "eval_every", {"type": _positive_int, "help": "outer rounds between evaluations"}),
-    ("output", "eval_batches", {"type": _positive_int, "help": "held-out batches per evaluation"}),
-    ("output", "max_seconds", {"type": _positive_float, "metavar": "S",
-                               "help": "stop after the evaluation point at which a worker's training time (evaluation "
-                                       "excluded) passes S seconds (default: no limit)%(default).0s"}),
-)
-
-
-def _departure_note(field: str) -> str:
-    """`` (library default X: reason)`` for a TrainConfig default that differs from the library's."""
-    from .pretrain.worker import DEPARTURES, library_default
-
-    if field not in DEPARTURES:
-        return ""
-    lib = library_default("outer.FGDiLoCo", field)
-    return f"; differs from FGDiLoCo's default {lib}: {DEPARTURES[field]}"
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    if not missing:
+        return None
+    print(f"{prog}: error: the example job needs {', '.join(missing)} (not installed): pip install "
+          "'fgdiloco[pretrain]'", file=sys.stderr, flush=True)
+    return 1
 
 
 def add_pretrain_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``pretrain`` to ``subparsers``."""
-    from .pretrain.worker import TrainConfig
+    """Add ``pretrain`` to ``subparsers``: one flag per :class:`~fgdiloco.pretrain.config.TrainConfig` field,
+    and ``--out``, ``--overwrite``, ``--resume``."""
+    from .config import FGDiLoCoConfig
+    from .pretrain.config import TrainConfig, add_train_arguments
 
-    d = TrainConfig()
-    p = subparsers.add_parser(
-        "pretrain",
+    d, lib = TrainConfig(), FGDiLoCoConfig()
+    p = _add_command(
+        subparsers, "pretrain",
         help="pretrain a small GPT on text with Factored Gossip DiLoCo (local worker processes)",
         description="Pretrain a small nanoGPT-style model on real text with Factored Gossip DiLoCo: --workers local "
                     "processes (OMP_NUM_THREADS=1) each take --steps AdamW steps and gossip every --sync-every "
@@ -161,25 +93,18 @@ def add_pretrain_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "with --max-restarts, all meet on a gossip store this command serves, a dead worker is "
                     "restarted from its checkpoint and rejoins without stopping the others. Baselines and "
                     "--stages > 1 are not elastic (one torchelastic job: one death ends the job). Writes run.json, "
-                    "metrics.jsonl (one JSON row per evaluation), summary.json, loss.png, the workers' reports "
-                    "(workers/), checkpoints/ and logs/ to --out. With no arguments it trains on the "
-                    "bundled public-domain corpus in about 4 minutes on 2 CPU cores. Defaults are the library's "
-                    "(FGDiLoCo, LowRank) unless the option says why not. Exit status: 0 done, 1 a worker failed, "
-                    "2 bad arguments (checked before any worker starts), 130 interrupted (Ctrl-C).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                    "metrics.jsonl (one JSON row per evaluation), summary.json, loss.png and logs/ to --out; an "
+                    "elastic run also config.json (what --resume continues), the workers' reports (workers/) and "
+                    "checkpoints/. With no arguments it trains on the bundled public-domain corpus in about 4 "
+                    "minutes on 2 CPU cores. The outer-loop, gossip and deadline options are the settings of "
+                    "fgdiloco.FGDiLoCoConfig with the library's defaults, unless the option says why not: so this "
+                    f"run uses the {lib.codec!r} codec over the {d.topology!r} topology unless told otherwise. "
+                    "Needs the [pretrain] extra (pip install 'fgdiloco[pretrain]'). Exit status: 0 done, 1 a "
+                    "worker failed (or the extra is missing), 2 bad arguments (checked before any worker starts), "
+                    "130 interrupted (Ctrl-C).",
     )
-    groups: dict[str, Any] = {}
-    for group, field, kw in PRETRAIN_OPTIONS:
-        g = groups.setdefault(group, p.add_argument_group(group))
-        kw = dict(kw)
-        if callable(kw.get("choices")):
-            kw["choices"] = kw["choices"]()
-        kw["help"] = kw["help"] + _departure_note(field)
-        g.add_argument("--" + field.replace("_", "-"), dest=field, default=getattr(d, field), **kw)
-    g = groups["workers and synchronisation"]
-    g.add_argument("--no-error-feedback", dest="error_feedback", action="store_false", default=d.error_feedback,
-                   help="lowrank without error feedback (an ablation; it is on by default)%(default).0s")
-    g = groups["output"]
+    add_train_arguments(p)
+    g = p.add_argument_group("where the results go")
     g.add_argument("--out", default=None, metavar="DIR",
                    help=f"output folder (default: {d.out}; when it holds an earlier run, a fresh {d.out}-2, "
                         f"{d.out}-3, ... is used and named)%(default).0s")
@@ -190,20 +115,8 @@ def add_pretrain_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="continue the stopped (elastic) run in --out from every worker's newest checkpoint, with "
                         "its saved configuration (--out/config.json); --max-seconds (training time over all "
                         "launches), --max-restarts and --quiet are this command's%(default).0s")
-    g.add_argument("--quiet", action="store_true",
-                   help="print only warnings, errors and the final summary (metrics.jsonl is written as "
-                        "always)%(default).0s")
     p.set_defaults(func=run_pretrain, subparser=p)
     return p
-
-
-def _config_from_args(args: argparse.Namespace, out: Path) -> Any:
-    import dataclasses
-
-    from .pretrain.worker import TrainConfig
-
-    names = {f.name for f in dataclasses.fields(TrainConfig)} - {"out", "quiet"}
-    return TrainConfig(**{k: v for k, v in vars(args).items() if k in names}, out=str(out), quiet=args.quiet)
 
 
 #: TrainConfig fields ``--resume`` takes from its own command line, not the saved run (they limit the run; they do
@@ -218,11 +131,10 @@ def _resume_config(args: argparse.Namespace) -> tuple[Any, Path]:
         PreflightError: no ``--out``, no saved run there, or an option that differs from the saved run's (a
             missing checkpoint is found by :func:`~fgdiloco.pretrain.launcher.launch_elastic`).
     """
-    import dataclasses
     import json
 
+    from .pretrain.config import LEGACY_NAMES, TrainConfig
     from .pretrain.launcher import PreflightError
-    from .pretrain.worker import TrainConfig
 
     if args.out is None:
         raise PreflightError("--resume", "needs --out DIR: the folder of the run to continue")
@@ -232,10 +144,10 @@ def _resume_config(args: argparse.Namespace) -> tuple[Any, Path]:
     except (OSError, ValueError):
         raise PreflightError("--resume", f"found no run to continue in {str(out)!r} (no readable config.json; an "
                                          "elastic run writes it when it starts)") from None
+    saved = {LEGACY_NAMES.get(k, k): v for k, v in saved.items()}
     # a worker without a checkpoint is refused by launch(resume=True) before anything is changed (PreflightError)
     d = TrainConfig()
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    for name in sorted(names - {"out", "quiet", "run_id", *RESUMABLE}):
+    for name in sorted(set(TrainConfig.names()) - {"out", "quiet", "run_id", *RESUMABLE}):
         given = getattr(args, name, getattr(d, name))
         if given != getattr(d, name) and given != saved.get(name):
             raise PreflightError("--resume", f"continues the saved configuration, but --{name.replace('_', '-')} "
@@ -243,7 +155,7 @@ def _resume_config(args: argparse.Namespace) -> tuple[Any, Path]:
     for name in RESUMABLE:  # this invocation's limits, not the stopped run's
         saved[name] = getattr(args, name)
     saved.update(out=str(out), quiet=args.quiet)
-    return TrainConfig(**{k: v for k, v in saved.items() if k in names}), out
+    return TrainConfig.from_dict(saved, strict=False), out
 
 
 # ---------------------------------------------------------------------------------------------------- display
@@ -320,45 +232,14 @@ class _Display:
 
 
 def run_pretrain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .pretrain.launcher import (
-        PreflightError,
-        WorkerFailed,
-        choose_output,
-        clear_outputs,
-        finish_interrupted,
-        launch,
-        preflight,
-    )
-    from .pretrain.worker import TrainConfig
-
-    prog = parser.prog
+    code = _missing_extra(parser.prog)
+    if code is not None:
+        return code
     display = _Display(args.quiet)
-
-    def refuse(message: str) -> int:
-        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
-        return 2
-
-    try:
-        if args.resume:
-            cfg, out = _resume_config(args)
-            note = None
-            if not cfg.elastic:
-                raise PreflightError("--resume", "needs an elastic run (FG-DiLoCo, --stages 1, a gossip topology); "
-                                                 f"the run in {out} has no checkpoints")
-        else:
-            out, note = choose_output(args.out if args.out is not None else TrainConfig().out,
-                                      explicit=args.out is not None, overwrite=args.overwrite)
-            cfg = _config_from_args(args, out)
-        found = preflight(cfg, status=display.status)
-    except PreflightError as e:
-        return refuse(str(e))
-    except ValueError as e:  # a TrainConfig check: name the option
-        return refuse(_as_option(str(e)))
-    except KeyboardInterrupt:
-        display.err.print("[fgdiloco] interrupted before any worker started; nothing written", markup=False)
-        return EXIT_INTERRUPTED
-    if args.overwrite and not args.resume:
-        clear_outputs(out)
+    prepared = _prepare_pretrain(args, parser.prog, display)
+    if isinstance(prepared, int):
+        return prepared
+    cfg, out, found, note = prepared
     for w in found["warnings"]:
         display.warn(w)
     if note:
@@ -371,12 +252,54 @@ def run_pretrain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
                 f"{cfg.sync_every}), "
                 f"{method}; data: {cfg.data or 'bundled corpus'} ({found['tokens']:,} tokens, vocabulary "
                 f"{found['vocab_size']}); out: {out}")
+    return _launch_pretrain(cfg, out, args.resume, parser.prog, display)
+
+
+def _prepare_pretrain(args: argparse.Namespace, prog: str, display: _Display) -> Any:
+    """The run's configuration, folder, preflight findings and a note on the folder; or the exit status after one
+    line saying why not (2: a bad option, 130: interrupted)."""
+    from .pretrain.config import TrainConfig
+    from .pretrain.launcher import PreflightError, choose_output, clear_outputs, preflight
+
     try:
-        summary = launch(cfg, on_row=display.row, resume=args.resume,
+        if args.resume:
+            cfg, out = _resume_config(args)
+            note = None
+            if not cfg.elastic:
+                raise PreflightError("--resume", "needs an elastic run (FG-DiLoCo, --stages 1, a gossip topology); "
+                                                 f"the run in {out} has no checkpoints")
+        else:
+            out, note = choose_output(args.out if args.out is not None else TrainConfig().out,
+                                      explicit=args.out is not None, overwrite=args.overwrite)
+            cfg = TrainConfig.from_arguments(args, out=str(out))
+        found = preflight(cfg, status=display.status)
+    except PreflightError as e:
+        return _refuse(prog, str(e))
+    except (TypeError, ValueError) as e:  # a TrainConfig check: name the option
+        return _refuse(prog, _as_option(str(e)))
+    except KeyboardInterrupt:
+        display.err.print("[fgdiloco] interrupted before any worker started; nothing written", markup=False)
+        return EXIT_INTERRUPTED
+    if args.overwrite and not args.resume:
+        clear_outputs(out)
+    return cfg, out, found, note
+
+
+def _refuse(prog: str, message: str) -> int:
+    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    return 2
+
+
+def _launch_pretrain(cfg: Any, out: Path, resume: bool, prog: str, display: _Display) -> int:
+    """Run the workers; the exit status (0 done, 1 failed, 2 refused, 128 + the signal when stopped)."""
+    from .pretrain.launcher import PreflightError, WorkerFailed, finish_interrupted, launch
+
+    try:
+        summary = launch(cfg, on_row=display.row, resume=resume,
                          on_start=lambda: display.start_workers(cfg.workers, cfg.rounds, cfg.steps))
     except PreflightError as e:
         display.close()
-        return refuse(str(e))
+        return _refuse(prog, str(e))
     except WorkerFailed as e:
         display.close()
         display.err.print(f"[fgdiloco] pretrain failed: {e}", markup=False)
@@ -398,14 +321,11 @@ def run_pretrain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
 
 
 def _as_option(message: str) -> str:
-    """``"sync_every must be ..."`` (a TrainConfig check) -> ``"--sync-every must be ..."``."""
-    import dataclasses
-
-    from .pretrain.worker import TrainConfig
+    """``"sync_every must be ..."`` (a TrainConfig or FGDiLoCoConfig check) -> ``"--sync-every must be ..."``."""
+    from .pretrain.config import TrainConfig
 
     head, _, rest = message.partition(" ")
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    return f"--{head.replace('_', '-')} {rest}" if head in fields else message
+    return f"--{head.replace('_', '-')} {rest}" if head in set(TrainConfig.names()) else message
 
 
 def _interrupted(out: Path, display: _Display, finish: Any, code: int = EXIT_INTERRUPTED) -> int:
@@ -421,10 +341,8 @@ def _interrupted(out: Path, display: _Display, finish: Any, code: int = EXIT_INT
                           f"worker logs in {out / 'logs'}", markup=False)
         return code
     rows = summary["rounds"]
-    kept = ["metrics.jsonl", "summary.json (marked interrupted)" if summary["interrupted"] else "summary.json"]
-    if (out / "loss.png").exists():
-        kept.append("loss.png")
-    kept += ["run.json", "logs/"]
+    kept = ["summary.json (marked interrupted)" if summary["interrupted"] else "summary.json"]
+    kept += [name for name in _outputs(out) if name != "summary.json"]
     loss = summary.get("final_eval_loss")
     display.err.print(f"[fgdiloco] interrupted after round {rows}/{summary['rounds_planned']} (step {summary['steps']}/"
                       f"{summary['steps_planned']}"
@@ -456,23 +374,26 @@ def _summary_text(s: dict[str, Any], out: Path, elapsed: float) -> str:
     if s.get("restarts") or s.get("rejoins"):
         lines.append(f"  elastic         {s['restarts']} worker restart(s), {s['rejoins']} rejoin(s) (marked in "
                      "loss.png)")
-    extra = ", workers/, checkpoints/" if (out / "checkpoints").is_dir() else ""
-    lines += [
-        f"  outputs         {out}/: summary.json, metrics.jsonl, loss.png, run.json, logs/{extra}",
-    ]
+    lines.append(f"  outputs         {out}/: {', '.join(_outputs(out))}")
     return "\n".join(lines)
+
+
+def _outputs(out: Path) -> list[str]:
+    """What the run left in ``out``, in the order the docs describe it (folders with a slash)."""
+    order = ("summary.json", "metrics.jsonl", "loss.png", "run.json", "config.json", "logs", "workers",
+             "checkpoints")
+    return [name + ("/" if (out / name).is_dir() else "") for name in order if (out / name).exists()]
 
 
 # ---------------------------------------------------------------------------------------------------- simulate
 def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``simulate`` to ``subparsers`` (the model is :mod:`fgdiloco.simulate`)."""
-    from . import simulate
+    """Add ``simulate`` to ``subparsers`` (the model is :mod:`fgdiloco.pretrain.simulate`)."""
+    from .pretrain import simulate
 
-    p = subparsers.add_parser(
-        "simulate",
+    p = _add_command(
+        subparsers, "simulate",
         help="analytic model of a round: utilisation of DDP, DiLoCo and FG-DiLoCo vs bandwidth and workers",
-        description=simulate.DESCRIPTION,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=simulate.DESCRIPTION + " Needs the [pretrain] extra (pip install 'fgdiloco[pretrain]').",
     )
     simulate.add_arguments(p, default_out=None)
     p.set_defaults(func=run_simulate, subparser=p)
@@ -480,9 +401,12 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from . import simulate
+    from .pretrain import simulate
     from .pretrain.launcher import PreflightError, choose_output, clear_outputs
 
+    code = _missing_extra(parser.prog)
+    if code is not None:
+        return code
     try:
         out, note = choose_output(args.out if args.out is not None else simulate.DEFAULT_OUT,
                                   explicit=args.out is not None, overwrite=args.overwrite,
@@ -505,23 +429,22 @@ def run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
 # ---------------------------------------------------------------------------------------------------- elastic jobs
 def add_elastic_parsers(subparsers: Any) -> None:
     """Add ``store`` and ``launch`` (the elastic job's gossip store and its launcher, :mod:`fgdiloco.elastic`)."""
-    p = subparsers.add_parser(
-        "store", help="serve an elastic job's gossip store (a TCPStore no worker hosts) until stopped",
+    p = _add_command(
+        subparsers, "store", help="serve an elastic job's gossip store (a TCPStore no worker hosts) until stopped",
         description="Serve the gossip store of an elastic job: workers anywhere reach it with "
                     "FGDILOCO_STORE=HOST:PORT. The store runs in a child process that is restarted on the same port "
-                    "when it dies (the workers reconnect and re-publish their state). Stop it with Ctrl-C.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                    "when it dies (the workers reconnect and re-publish their state). Stop it with Ctrl-C.")
     p.add_argument("--host", default="0.0.0.0", help="interface to listen on")
     p.add_argument("--port", type=int, default=29400, help="TCP port (0: one the OS picks)")
     p.set_defaults(func=run_store, subparser=p)
 
-    p = subparsers.add_parser(
-        "launch", help="run a training script as an elastic job: one torchrun job per worker, with restarts",
+    p = _add_command(
+        subparsers, "launch",
+        help="run a training script as an elastic job: one torchrun job per worker, with restarts",
         description="Run SCRIPT as an elastic FG-DiLoCo job: every worker is its own single-process torchrun job "
                     "with --max-restarts, and all meet on a gossip store this command serves (or --store). A "
                     "worker's death, hang or restart never stops another. The script builds "
-                    "FGDiLoCo(..., elastic=True).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                    "FGDiLoCo(..., elastic=True).")
     p.add_argument("--workers", type=int, default=2, help="workers to start here")
     p.add_argument("--max-restarts", type=int, default=3, help="restarts of each worker before it is given up")
     p.add_argument("--store", default=None, help="HOST:PORT of a running gossip store (default: serve one here)")
@@ -584,7 +507,7 @@ def _as_flag(message: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = argparse.ArgumentParser(prog="fgdiloco", description="Factored Gossip DiLoCo for PyTorch.")
+    parser = _Parser(prog="fgdiloco", description="Factored Gossip DiLoCo for PyTorch.")
     parser.add_argument("--version", action="version", version=f"fgdiloco {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     add_pretrain_parser(sub)
@@ -596,11 +519,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``fgdiloco`` console script; returns the exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    command = getattr(args, "subparser", None)
+    if extra:  # the command's own error (its usage), not the top-level one
+        (command if command is not None else parser).refuse_extra(extra)
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
-    return int(args.func(args, args.subparser) or 0)
+    return int(args.func(args, command) or 0)
 
 
 if __name__ == "__main__":

@@ -439,15 +439,20 @@ def settings_table() -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser, *, defaults: Mapping[str, Any] | None = None,
-                  exclude: tuple[str, ...] = (), notes: Mapping[str, str] | None = None) -> None:
+                  exclude: tuple[str, ...] = (), notes: Mapping[str, str] | None = None,
+                  aliases: Mapping[str, tuple[str, ...]] | None = None) -> dict[str, argparse._ArgumentGroup]:
     """Add one ``--flag`` per setting (``--sync-every``, ``--join-timeout``, ...) to ``parser``, in argument groups
     named after the settings' groups, with help and checks from the fields, and ``--timeout`` (the shorthand).
 
     ``defaults`` replaces a field's default on this command (say why in ``notes[name]``, appended to its help);
-    string choices (codec, topology) are listed from their registries. Each flag's ``dest`` is the field name.
+    ``aliases[name]``: more option strings for a setting's flag (a command's older names); string choices (codec,
+    topology) are listed from their registries. Each flag's ``dest`` is the field name; a default of None is not
+    printed (the help says what None means). Returns the argument groups by the settings' group names
+    (``"outer loop"``, ``"gossip"``, ``"deadlines"``), for a command's own flags that belong beside them.
     """
     defaults = dict(defaults or {})
     notes = dict(notes or {})
+    aliases = dict(aliases or {})
     groups: dict[str, argparse._ArgumentGroup] = {}
     for f in dataclasses.fields(FGDiLoCoConfig):
         if f.name in exclude:
@@ -466,12 +471,15 @@ def add_arguments(parser: argparse.ArgumentParser, *, defaults: Mapping[str, Any
             kw["metavar"] = "{true,false}"
         else:
             kw["type"] = check.parse
-        g.add_argument("--" + f.name.replace("_", "-"), **kw)
+        if default is None:  # not "(default: None)": the help says what None means
+            kw["help"] += "%(default).0s"
+        g.add_argument("--" + f.name.replace("_", "-"), *aliases.get(f.name, ()), **kw)
     if "timeout" not in exclude:
         g = groups.setdefault("deadlines", parser.add_argument_group("deadlines (seconds)"))
         g.add_argument("--timeout", dest="timeout", type=Seconds().parse, default=None, metavar="S",
                        help="shorthand: sets " + ", ".join("--" + n.replace("_", "-") for n in TIMEOUT_FIELDS)
                             + " (those not given)%(default).0s")
+    return groups
 
 
 def from_arguments(args: argparse.Namespace | Mapping[str, Any], **fixed: Any) -> FGDiLoCoConfig:

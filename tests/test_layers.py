@@ -122,3 +122,48 @@ def test_the_core_imports_and_runs_without_the_extras():
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_every_thread_starts_in_the_runtime():
+    """``fgdiloco.runtime`` owns the threads (``Background``, ``Service``): no other module of the package or the
+    Lightning integration builds a ``threading.Thread``."""
+    bad = []
+    for path in _files(("fgdiloco", "lightning_callbacks")):
+        if path.relative_to(ROOT).as_posix() == "fgdiloco/runtime.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and node.attr == "Thread":
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert bad == []
+
+
+def test_the_example_job_has_no_import_cycle():
+    """``fgdiloco.pretrain``'s modules import each other without a cycle (imports inside functions included)."""
+    mods = {_module_of(p): p for p in _files(("fgdiloco/pretrain",))}
+    graph = {m: {i for _, i in _imports(p) if i in mods and i != m and i != "fgdiloco.pretrain"}
+             for m, p in mods.items()}
+    done: set[str] = set()
+
+    def visit(m: str, path: list[str]) -> None:
+        if m in path:
+            raise AssertionError("import cycle: " + " -> ".join(path[path.index(m):] + [m]))
+        if m in done:
+            return
+        for n in sorted(graph[m]):
+            visit(n, path + [m])
+        done.add(m)
+
+    for m in sorted(graph):
+        visit(m, [])
+
+
+def test_no_function_of_the_package_is_longer_than_80_lines():
+    """The size limit beside ruff's complexity limit (C901, max 15): a function of ``fgdiloco/`` or
+    ``lightning_callbacks/`` (docstring included) fits in 80 lines."""
+    long = []
+    for path in _files(("fgdiloco", "lightning_callbacks")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
+                long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} "
+                            f"({node.end_lineno - node.lineno + 1} lines)")
+    assert long == []

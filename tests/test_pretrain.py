@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import json
 import math
@@ -20,6 +19,7 @@ import torch
 
 from fgdiloco.cli import main
 from fgdiloco.pretrain import data as pdata
+from fgdiloco.pretrain.config import DEPARTURES, TrainConfig
 from fgdiloco.pretrain.data import (
     BPETokenizer,
     build_tokenizer,
@@ -40,7 +40,7 @@ from fgdiloco.pretrain.launcher import (
 from fgdiloco.pretrain.model import GPT, GPTConfig
 from fgdiloco.pretrain.recipe import lr_at
 from fgdiloco.pretrain.results import ROW_FIELDS, SUMMARY_FIELDS, format_round, read_rows, summarise
-from fgdiloco.pretrain.worker import DEPARTURES, TrainConfig, train_worker
+from fgdiloco.pretrain.worker import train_worker
 from fgdiloco.testing import run_ranks
 
 FIXTURE = Path(__file__).parent / "fixtures" / "moby_dick_ch1-29.txt"
@@ -238,8 +238,20 @@ def test_train_worker_ddp_baseline(tmp_path):
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
 
 
+def test_train_worker_local_sgd_baseline(tmp_path):
+    cfg = tiny_config(tmp_path, baseline="localsgd", steps=20)
+    results = run_ranks(_run_worker, 2, tmp_path, cfg, timeout=90)
+    # the parameters are averaged after every round: the replicas end identical
+    assert results[0]["final_eval_loss"] == pytest.approx(results[1]["final_eval_loss"], abs=1e-6)
+    summary = json.loads((Path(cfg.out) / "summary.json").read_text())
+    rows = read_rows(Path(cfg.out) / "metrics.jsonl")
+    assert summary["method"] == "localsgd" and [r["round"] for r in rows] == [0, 1, 2]
+    assert all(r["bytes_sent"] > 0 and 0 < r["utilisation"] <= 1 for r in rows[1:])
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+
+
 def test_train_worker_lowrank_partial_last_round_and_sparse_evals(tmp_path):
-    cfg = tiny_config(tmp_path, codec="lowrank", rank=2, steps=25, sync_every=10, eval_every=2)
+    cfg = tiny_config(tmp_path, codec="lowrank", codec_rank=2, steps=25, sync_every=10, eval_every=2)
     run_ranks(_run_worker, 2, tmp_path, cfg, timeout=90)
     rows = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["round"]) for r in rows] == [(0, 0), (20, 2), (25, 3)]  # the last round is short
@@ -342,26 +354,66 @@ def test_defaults_are_the_librarys_or_their_difference_is_shown_in_help():
     from fgdiloco import FGDiLoCoConfig
     from fgdiloco.factor import LowRank
 
-    d = TrainConfig()
-    lowrank = inspect.signature(LowRank).parameters
-    fg = {f.name: f for f in dataclasses.fields(FGDiLoCoConfig)}
-    fg["timeout"] = fg["join_timeout"]
-    assert d.rank == lowrank["rank"].default and d.error_feedback == lowrank["error_feedback"].default
-    differ = []
-    for name in ("outer_lr", "outer_momentum", "topology", "mix1_rounds", "mix2_rounds", "timeout"):
-        if getattr(d, name) != fg[name].default:
-            differ.append(name)
-    assert differ == sorted(DEPARTURES) == ["outer_momentum"]
+    d, lib = TrainConfig(), FGDiLoCoConfig()
+    # every FGDiLoCoConfig setting is a TrainConfig field of the same name, with the library's default or a reason
+    differ = sorted(name for name in FGDiLoCoConfig.names() if getattr(d, name) != getattr(lib, name))
+    assert differ == sorted(DEPARTURES) == ["outer_momentum", "sync_every"]
+    assert all(DEPARTURES[n].default == getattr(d, n) for n in DEPARTURES)
+    assert d.fgdiloco_config() == lib.replace(sync_every=20, outer_momentum=0.3)
+    assert d.error_feedback == inspect.signature(LowRank).parameters["error_feedback"].default
     proc = subprocess.run([sys.executable, "-m", "fgdiloco", "pretrain", "--help"], capture_output=True,
                           text=True, timeout=60, cwd=ROOT, env=dict(os.environ, COLUMNS="200"))
     assert proc.returncode == 0
     text = " ".join(proc.stdout.split())
-    assert "--rank RANK rank of the lowrank codec (default: 4)" in text
-    assert f"differs from FGDiLoCo's default {fg['outer_momentum'].default}" in text and "(default: 0.3)" in text
+    assert f"--codec-rank CODEC_RANK, --rank CODEC_RANK rank of a low-rank Mix2 codec given by name (default: the " \
+           f"codec's own); the lowrank codec's own is {LowRank().rank}; --rank is its older name" in text
+    assert f"differs from FGDiLoCo's default {lib.outer_momentum}" in text and "(default: 0.3)" in text
+    assert f"differs from FGDiLoCo's default {lib.sync_every}" in text and "(default: 20)" in text
+    assert f"this run uses the {lib.codec!r} codec" in text  # what the run uses, printed from the config
+    assert "--no-error-feedback" in text and "Only the exact path (--topology allreduce) keeps a residual" in text
     for flag in ("--workers", "--steps", "--sync-every", "--topology", "--mix1-rounds", "--mix2-rounds", "--codec",
-                 "--data", "--out", "--overwrite", "--quiet", "--baseline", "--seed"):
+                 "--data", "--out", "--overwrite", "--quiet", "--baseline", "--seed", "--timeout", "--resume"):
         assert flag in proc.stdout
+    for name in FGDiLoCoConfig.names():  # a new setting is a flag with no change to the command
+        assert "--" + name.replace("_", "-") + " " in proc.stdout, name
     assert "(default: 4)" in text and "(default: 240)" in text and "(default: random)" in text
+
+
+def test_every_setting_is_a_flag_and_a_field_and_comes_back_from_the_command_line():
+    import argparse
+
+    from fgdiloco import FGDiLoCoConfig
+    from fgdiloco.pretrain.config import add_train_arguments
+
+    p = argparse.ArgumentParser(allow_abbrev=False)
+    add_train_arguments(p)
+    dests = {a.dest for a in p._actions}
+    assert set(FGDiLoCoConfig.names()) <= dests and set(FGDiLoCoConfig.names()) <= set(TrainConfig.names())
+    args = p.parse_args(["--join-timeout", "7", "--exchange-timeout", "8", "--liveness", "2", "--collective-timeout",
+                         "9", "--stage-timeout", "10", "--rank", "3", "--codec", "lowrank", "--no-error-feedback",
+                         "--mix-momentum", "false"])
+    cfg = TrainConfig.from_arguments(args)
+    assert (cfg.join_timeout, cfg.exchange_timeout, cfg.liveness, cfg.collective_timeout, cfg.stage_timeout) == (
+        7, 8, 2, 9, 10)
+    fg = cfg.fgdiloco_config()
+    assert fg.mix_momentum is False and fg.codec.rank == 3 and fg.codec.error_feedback is False
+    # --timeout sets the four deadlines not given; liveness is its own
+    cfg = TrainConfig.from_arguments(p.parse_args(["--timeout", "30", "--join-timeout", "5"]))
+    assert (cfg.join_timeout, cfg.exchange_timeout, cfg.collective_timeout, cfg.stage_timeout, cfg.liveness) == (
+        5, 30, 30, 30, 5)
+
+
+def test_a_saved_configuration_comes_back_also_from_an_older_run():
+    cfg = TrainConfig(workers=3, codec="lowrank", codec_rank=2, timeout=30.0)
+    assert TrainConfig.from_dict(json.loads(json.dumps(cfg.as_dict()))) == cfg
+    # an older run's flat config.json: "rank" for the codec's rank, one "timeout" for every deadline
+    old = {"workers": 2, "steps": 24, "sync_every": 4, "codec": "lowrank", "rank": 2, "error_feedback": True,
+           "timeout": 30.0, "topology": "ring", "outer_momentum": 0.3}
+    cfg = TrainConfig.from_dict(old)
+    assert cfg.codec_rank == 2 and cfg.join_timeout == cfg.stage_timeout == 30.0 and cfg.liveness == 5.0
+    with pytest.raises(TypeError, match="unknown TrainConfig field"):
+        TrainConfig.from_dict({"no_such_field": 1})
+    assert TrainConfig.from_dict({"no_such_field": 1, "steps": 3}, strict=False).steps == 3
 
 
 def test_the_bundled_corpus_is_cached_in_the_user_cache_folder_not_the_package(tmp_path, monkeypatch):
@@ -383,22 +435,42 @@ TINY = ("--workers", "2", "--n-layer", "1", "--n-head", "2", "--n-embd", "32", "
         "--block-size", "32", "--vocab-size", "300", "--eval-batches", "1", "--data", str(FIXTURE))
 
 
-def test_cli_argument_errors_exit_2(capsys):
-    for argv, message in ((["pretrain", "--steps", "0"], "--steps"),
-                          (["pretrain", "--codec", "gzip"], "invalid choice"),
-                          (["pretrain", "--workers", "two"], "--workers"),
-                          (["pretrain", "--bogus"], "unrecognized")):
+def test_cli_argument_errors_exit_2_in_one_line_naming_the_option(capsys):
+    for argv, message in ((["pretrain", "--codec", "gzip"], "argument --codec: invalid choice"),
+                          (["pretrain", "--workers", "two"], "argument --workers: expected an int >= 1, got 'two'"),
+                          (["pretrain", "--bogus"], "unrecognized arguments: --bogus"),
+                          # no prefix matching: --worker is not --workers
+                          (["pretrain", "--worker", "4"], "unrecognized arguments: --worker 4; did you mean "
+                                                          "--workers?")):
         with pytest.raises(SystemExit) as exc:
             main(argv)
         assert exc.value.code == 2
-        assert message in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert err.startswith("fgdiloco pretrain: error: ") and message in err and err.count("\n") == 1, err
     for argv, message in ((["pretrain", "--data", "/nonexistent/text.txt"], "--data '/nonexistent/text.txt' does"),
                           (["pretrain", "--n-embd", "30", "--n-head", "4"], "divisible"),
-                          (["pretrain", "--outer-momentum", "1.5"], "--outer-momentum must be a number in [0.0, 1.0)")):
+                          (["pretrain", "--steps", "0"], "--steps must be an int >= 1, got 0"),
+                          (["pretrain", "--workers", "0"], "--workers must be an int >= 1, got 0"),
+                          (["pretrain", "--join-timeout", "0"], "--join-timeout must be seconds > 0"),
+                          (["pretrain", "--outer-momentum", "1.5"], "--outer-momentum must be in [0, 1), got 1.5")):
         assert main(argv) == 2
         err = capsys.readouterr().err
-        assert message in err and err.count("\n") == 1
+        assert err.startswith("fgdiloco pretrain: error: ") and message in err and err.count("\n") == 1, err
     assert main([]) == 2  # no subcommand: help
+
+
+def test_pretrain_and_simulate_without_the_extra_say_how_to_install_it_in_one_line():
+    code = ("import sys\n"
+            "sys.modules['rich'] = None\n"
+            "from fgdiloco.cli import main\n"
+            "sys.exit(main(sys.argv[1:]))\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    for command in ("pretrain", "simulate"):
+        proc = subprocess.run([sys.executable, "-c", code, command], capture_output=True, text=True, timeout=120,
+                              env=env, cwd=ROOT)
+        assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+        assert proc.stderr.startswith(f"fgdiloco {command}: error: ") and "pip install 'fgdiloco[pretrain]'" in (
+            proc.stderr)
 
 
 def _unwritable(tmp_path: Path) -> Path:
@@ -448,6 +520,11 @@ def test_launch_through_the_cli_and_a_second_run_gets_its_own_folder(tmp_path):
     out = tmp_path / "runs" / "pretrain"
     assert "[fgdiloco] round 1/2  step 3/6  eval " in first.stdout and "ETA" in first.stdout
     assert "round 2/2" in first.stdout and "done" in first.stdout and "nats/token" in first.stdout
+    assert "training a byte-level BPE tokenizer (vocabulary 300)" in first.stdout  # nothing cached yet
+    outputs = next(line for line in first.stdout.splitlines() if line.strip().startswith("outputs"))
+    for name in ("summary.json", "metrics.jsonl", "loss.png", "run.json", "config.json", "logs/", "workers/",
+                 "checkpoints/"):
+        assert name in outputs, outputs
     from fgdiloco.pretrain.launcher import usable_cores
 
     assert ("2 workers share" in first.stderr) == (usable_cores() < 2)
@@ -614,6 +691,9 @@ def test_preflight_checks_memory_and_warns_about_cores(tmp_path, monkeypatch):
     assert found["warnings"] and "3 workers share 2 CPU cores" in found["warnings"][0]
     assert found["tokens"] > 100_000 and found["vocab_size"] == 384
     assert found["worker_bytes"] == per
+    said: list[str] = []
+    launcher.preflight(cfg, status=said.append)  # the tokenizer is cached now: it is loaded, not trained
+    assert said == [f"loading the cached byte-level BPE tokenizer (vocabulary 384) from {tmp_path / 'cache'}"]
     monkeypatch.setattr(launcher, "available_memory_bytes", lambda: 2 * per + 2**20)
 
     def no_training(*a, **k):

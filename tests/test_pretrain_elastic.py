@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from fgdiloco.cli import main
+from fgdiloco.pretrain.config import TrainConfig
 from fgdiloco.pretrain.launcher import eval_points
 from fgdiloco.pretrain.merge import Merger
 from fgdiloco.pretrain.results import ROW_FIELDS, SUMMARY_FIELDS, read_rows, rejoin_marks
-from fgdiloco.pretrain.worker import TrainConfig
 
 FIXTURE = Path(__file__).parent / "fixtures" / "moby_dick_ch1-29.txt"
 TINY = ("--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--batch-size", "4", "--block-size", "32",

@@ -1,4 +1,4 @@
-"""The analytic round model of fgdiloco.simulate and its consensus study (fast: no training, no network)."""
+"""The analytic round model of fgdiloco.pretrain.simulate and its consensus study (fast: no training, no network)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fgdiloco.gossip.topology import make_topology
-from fgdiloco.simulate import (
+from fgdiloco.pretrain.simulate import (
     Network,
     Workload,
     contraction_matrices,
@@ -125,7 +125,7 @@ def test_contraction_is_monotone_and_ring_is_slowest():
 
 
 def test_halving_doubling_latency_grows_with_log_m():
-    from fgdiloco.simulate import allreduce_seconds
+    from fgdiloco.pretrain.simulate import allreduce_seconds
 
     net = Network(math.inf, latency_s=0.001)
     assert math.isclose(allreduce_seconds(1e6, 1024, net, "halving_doubling"), 2 * 10 * 0.001)
@@ -134,18 +134,18 @@ def test_halving_doubling_latency_grows_with_log_m():
         allreduce_seconds(1e6, 4, net, "tree")
 
 
-def test_the_job_is_wan_pys_job():
-    from benchmarks.wan import JOB as WAN_JOB
-    from fgdiloco.simulate import JOB
+def test_the_simulated_job_is_the_wan_benchmarks_job():
+    from fgdiloco.pretrain.comparison import JOB as WAN_JOB
+    from fgdiloco.pretrain.simulate import JOB, _job
 
-    assert JOB == WAN_JOB
+    assert JOB is WAN_JOB and _job() == WAN_JOB  # benchmarks/wan.py runs this JOB too
 
 
-def test_benchmarks_simulate_is_the_package_model():
-    import benchmarks.simulate as bench
-    import fgdiloco.simulate as pkg
+def test_fgdiloco_simulate_re_exports_the_package_model():
+    import fgdiloco.pretrain.simulate as pkg
+    import fgdiloco.simulate as old
 
-    assert bench.predict is pkg.predict and bench.consensus_study is pkg.consensus_study
+    assert old.predict is pkg.predict and old.consensus_study is pkg.consensus_study and old.JOB is pkg.JOB
 
 
 def test_fgdiloco_simulate_writes_a_fresh_folder_and_prints_tables(tmp_path):

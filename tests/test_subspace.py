@@ -538,8 +538,8 @@ def test_fgdiloco_synchronises_parameters_only_and_leaves_the_basis_alone(tmp_pa
 
 
 @pytest.mark.parametrize("k", [None, 8])
-def test_benchmark_two_stage_step_matches_the_unsplit_model_and_counts_what_crosses(k):
-    from benchmarks.subspace import two_stage_step
+def test_two_stage_step_matches_the_unsplit_model_and_counts_what_crosses(k):
+    from fgdiloco.pretrain.model import two_stage_step
 
     torch.manual_seed(0)
     m = _perturb(GPT(CFG, subspace_rank=k))

@@ -1,5 +1,6 @@
-"""The parts of ``benchmarks.wan --peers`` that need neither network namespaces nor torchft: the peer options, the
-GPT's torchft fragments, merging the ranks' rows, the dead-worker cost and the comparison against a reference."""
+"""The parts of ``benchmarks.wan --peers`` that need neither network namespaces nor torchft, which live in the package
+(the tests never import the benchmarks): the peer options, the GPT's fragments, merging the ranks' rows, the
+dead-worker cost and the comparison against a reference."""
 
 from __future__ import annotations
 
@@ -8,17 +9,18 @@ import math
 
 import pytest
 
-from benchmarks.peers import (
+from fgdiloco.pretrain.comparison import (
+    METHODS,
     PEER_DEFAULTS,
+    PEERS,
     check_peer,
+    compare,
     dead_worker_cost,
-    fragments_of,
-    merge_rank_rows,
-    read_rank_rows,
-    write_merged,
+    peer_targets,
+    ratio_key,
 )
-from benchmarks.wan import METHODS, PEERS, compare, peer_targets, ratio_key
-from fgdiloco.pretrain.model import GPT, GPTConfig
+from fgdiloco.pretrain.merge import merge_rank_rows, read_rank_rows, write_merged
+from fgdiloco.pretrain.model import GPT, GPTConfig, fragments_of
 
 
 # ---------------------------------------------------------------------------------------------------- options

@@ -2,7 +2,7 @@
 
 * :func:`load_text`: a UTF-8 file, a folder of ``.txt`` files (sorted order), or the bundled public-domain corpus.
 * :func:`build_tokenizer`: a byte-level BPE trained with the ``tokenizers`` package (cached, keyed by a hash of the
-  text and the vocabulary size), or raw UTF-8 bytes.
+  text and the vocabulary size), or raw UTF-8 bytes; :func:`tokenizer_is_cached` says whether it will be loaded.
 * :func:`encode_corpus`, :func:`split_tokens`, :func:`sample_batch`: token ids, a held-out tail, random windows.
 * :func:`unigram_loss`: the cross-entropy a model that ignores context reaches; a trained model must beat it.
 
@@ -33,6 +33,7 @@ __all__ = [
     "load_text",
     "sample_batch",
     "split_tokens",
+    "tokenizer_is_cached",
     "unigram_loss",
     "user_cache_dir",
 ]
@@ -235,6 +236,16 @@ def _chunks(text: str, size: int = 1 << 16) -> list[str]:
     return out
 
 
+def _tokenizer_path(text: str, vocab_size: int, cache_dir: str | os.PathLike[str]) -> Path:
+    return Path(cache_dir) / f"bpe-{vocab_size}-{_sha(f'v{CACHE_VERSION}', text)}.tokenizer.json"
+
+
+def tokenizer_is_cached(text: str, vocab_size: int, cache_dir: str | os.PathLike[str] | None) -> bool:
+    """Whether :func:`build_tokenizer` finds the byte-level BPE of ``text`` and ``vocab_size`` in ``cache_dir`` (it
+    loads it instead of training one)."""
+    return cache_dir is not None and _tokenizer_path(text, vocab_size, cache_dir).is_file()
+
+
 def build_tokenizer(text: str, kind: str = "bpe", vocab_size: int = 4096,
                     cache_dir: str | os.PathLike[str] | None = None) -> Tokenizer:
     """A tokenizer for ``text``.
@@ -263,7 +274,7 @@ def build_tokenizer(text: str, kind: str = "bpe", vocab_size: int = 4096,
         raise ValueError("cannot learn a BPE from empty text")
     path = None
     if cache_dir is not None:
-        path = Path(cache_dir) / f"bpe-{vocab_size}-{_sha(f'v{CACHE_VERSION}', text)}.tokenizer.json"
+        path = _tokenizer_path(text, vocab_size, cache_dir)
         if path.is_file():
             try:
                 return BPETokenizer.from_json(path.read_text(encoding="utf-8"), path)

@@ -28,14 +28,26 @@ import os
 import shutil
 import signal
 import threading
+import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .data import build_tokenizer, cache_dir_for, encode_corpus, load_text, split_tokens
-from .results import OUTPUT_NAMES, holds_results, plot, read_rows, summarise, write_json
-from .worker import TrainConfig, train_worker
+from .config import TrainConfig
+from .data import build_tokenizer, cache_dir_for, encode_corpus, load_text, split_tokens, tokenizer_is_cached
+from .results import (
+    OUTPUT_NAMES,
+    checkpoint_path,
+    holds_results,
+    plot,
+    read_rows,
+    rows_path,
+    stop_path,
+    summarise,
+    write_json,
+)
+from .worker import train_worker
 
 __all__ = [
     "PreflightError",
@@ -216,9 +228,14 @@ def preflight(cfg: TrainConfig, status: Callable[[str], Any] | None = None) -> d
                                           f"{avail / 2**30:.1f} GiB is free; use --workers {fit} or fewer, or a "
                                           "smaller model")
     cache = cache_dir_for(cfg.data, cfg.cache_dir)
-    what = (f"training a byte-level BPE tokenizer (vocabulary {cfg.vocab_size}) on {len(text) / 1e6:.1f} M "
-            "characters" if cfg.tokenizer == "bpe" else "encoding the text as bytes")
-    with stage(f"{what} (cached in {cache})"):
+    if cfg.tokenizer == "bytes":
+        what = f"encoding the text as bytes (cached in {cache})"
+    elif tokenizer_is_cached(text, cfg.vocab_size, cache):
+        what = f"loading the cached byte-level BPE tokenizer (vocabulary {cfg.vocab_size}) from {cache}"
+    else:
+        what = (f"training a byte-level BPE tokenizer (vocabulary {cfg.vocab_size}) on {len(text) / 1e6:.1f} M "
+                f"characters (cached in {cache})")
+    with stage(what):
         tok = build_tokenizer(text, cfg.tokenizer, cfg.vocab_size, cache_dir=cache)
         tokens = encode_corpus(text, tok, cache_dir=cache)
     need = cfg.block_size + 1
@@ -242,38 +259,42 @@ def preflight(cfg: TrainConfig, status: Callable[[str], Any] | None = None) -> d
 
 
 # ---------------------------------------------------------------------------------------------------- launch
-def _follow(path: Path, on_row: Callable[[dict[str, Any]], Any], stop: threading.Event) -> threading.Thread:
-    """A thread that calls ``on_row`` for every complete line appended to ``path`` until ``stop`` is set (then
-    reads what is left once more)."""
-    import json
+class _Follower:
+    """Calls ``on_row`` for every complete line appended to ``path``: read every 0.2 s by a
+    :class:`fgdiloco.runtime.Service` (the one owner of threads), and once more by :meth:`stop`."""
 
-    def run() -> None:
-        seen = 0
-        f = None
-        buf = ""
-        try:
-            while True:
-                done = stop.is_set()
-                if f is None and path.exists():
-                    f = open(path, encoding="utf-8")  # noqa: SIM115 - closed below
-                if f is not None:
-                    buf += f.read()
-                    while "\n" in buf:
-                        line, buf = buf.split("\n", 1)
-                        with contextlib.suppress(ValueError):
-                            row = json.loads(line)
-                            seen += 1
-                            on_row(row)
-                if done:
-                    return
-                stop.wait(0.2)
-        finally:
-            if f is not None:
-                f.close()
+    def __init__(self, path: Path, on_row: Callable[[dict[str, Any]], Any]):
+        from ..runtime import Service
 
-    t = threading.Thread(target=run, name="fgdiloco-metrics-follower", daemon=True)
-    t.start()
-    return t
+        self.path, self.on_row = path, on_row
+        self._file: Any = None
+        self._buf = ""
+        self._lock = threading.Lock()
+        self._service = Service(self.read, 0.2, "metrics-follower")
+
+    def read(self) -> None:
+        """Take in what was appended since the last call."""
+        import json
+
+        with self._lock:
+            if self._file is None and self.path.exists():
+                self._file = open(self.path, encoding="utf-8")  # noqa: SIM115 - closed in stop()
+            if self._file is None:
+                return
+            self._buf += self._file.read()
+            while "\n" in self._buf:
+                line, self._buf = self._buf.split("\n", 1)
+                with contextlib.suppress(ValueError):
+                    self.on_row(json.loads(line))
+
+    def stop(self) -> None:
+        """Stop following, after reading what is left."""
+        self._service.stop()
+        self.read()
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
 
 
 def _root_cause(err: Any, log_root: Path) -> WorkerFailed:
@@ -404,33 +425,31 @@ def launch_group(cfg: TrainConfig, *, on_row: Callable[[dict[str, Any]], Any] | 
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(log_root), redirects=Std.ALL),
     )
+    with _process_state(), _torchelastic_log(log_root / "launcher.log"):
+        follower = _Follower(out / "metrics.jsonl", on_row) if on_row is not None else None
+        try:
+            if on_start is not None:
+                on_start()
+            results = elastic_launch(config, _launched_worker)(cfg)
+        except ChildFailedError as e:
+            raise _root_cause(e, log_root) from None
+        finally:
+            if follower is not None:
+                follower.stop()
+    return results[0]
+
+
+@contextlib.contextmanager
+def _process_state() -> Iterator[None]:
+    """One thread per worker (``OMP_NUM_THREADS=1``, no tokenizer threads) inside; the environment and the SIGINT /
+    SIGTERM handlers are restored after (torchelastic installs its own)."""
     saved_env = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM")}
     saved_signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    handler = logging.FileHandler(log_root / "launcher.log", encoding="utf-8")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing")]
-    saved_log = [(lg.propagate, lg.level, list(lg.handlers)) for lg in loggers]
-    for lg in loggers:  # torchelastic's own lines (closing signals, failures) go to the file, not the terminal
-        lg.handlers, lg.propagate = [handler], False
-        lg.setLevel(logging.INFO)
-    stop = threading.Event()
-    follower = _follow(out / "metrics.jsonl", on_row, stop) if on_row is not None else None
     try:
-        if on_start is not None:
-            on_start()
-        results = elastic_launch(config, _launched_worker)(cfg)
-    except ChildFailedError as e:
-        raise _root_cause(e, log_root) from None
+        yield
     finally:
-        stop.set()
-        if follower is not None:
-            follower.join(timeout=5)
-        for lg, (propagate, level, handlers) in zip(loggers, saved_log):
-            lg.handlers, lg.propagate = handlers, propagate
-            lg.setLevel(level)
-        handler.close()
         for s, h in saved_signals.items():
             signal.signal(s, h)
         for k, v in saved_env.items():
@@ -438,7 +457,25 @@ def launch_group(cfg: TrainConfig, *, on_row: Callable[[dict[str, Any]], Any] | 
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    return results[0]
+
+
+@contextlib.contextmanager
+def _torchelastic_log(path: Path) -> Iterator[None]:
+    """Inside, torchelastic's own log lines (closing signals, failures) go to ``path``, not the terminal."""
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing")]
+    saved = [(lg.propagate, lg.level, list(lg.handlers)) for lg in loggers]
+    for lg in loggers:
+        lg.handlers, lg.propagate = [handler], False
+        lg.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        for lg, (propagate, level, handlers) in zip(loggers, saved):
+            lg.handlers, lg.propagate = handlers, propagate
+            lg.setLevel(level)
+        handler.close()
 
 
 # ---------------------------------------------------------------------------------------------------- elastic
@@ -478,8 +515,6 @@ def _prepare_resume(out: Path, workers: int) -> tuple[int, int]:
     import json
 
     import torch
-
-    from .elastic_worker import checkpoint_path, rows_path
 
     missing = [k for k in range(workers) if not checkpoint_path(out, k).is_file()]
     if missing:
@@ -528,115 +563,150 @@ def launch_elastic(cfg: TrainConfig, *, on_row: Callable[[dict[str, Any]], Any] 
         KeyboardInterrupt or ``SignalException``: SIGINT / SIGTERM reached this process; the workers were
             stopped, the complete rows written (:func:`finish_interrupted` summarises them).
     """
-    import json
-    import subprocess
-    import time
-
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
-    from ..elastic import (
-        JOB_ENV,
-        MIN_WORKERS_ENV,
-        STORE_ENV,
-        WORKER_ENV,
-        WORKERS_ENV,
-        GossipStore,
-        torchrun_command,
-    )
-    from .elastic_worker import START_ROUND_ENV, rows_path, stop_path
-    from .merge import Merger
-
     if not cfg.elastic:
         raise ValueError("launch_elastic runs FG-DiLoCo with stages=1 and a gossip topology; use launch_group")
     cfg = dataclasses.replace(cfg, run_id=cfg.run_id or uuid.uuid4().hex[:12], quiet=True)
     cfg.validate()
+    quiet_until, start_round = _prepare_elastic_folder(cfg, resume)
+    run = _ElasticRun(cfg, on_row, quiet_until)
+    try:
+        codes = run.run(on_start, start_round)
+    finally:
+        run.close()
+    return _elastic_summary(cfg, run.merger, codes, resume)
+
+
+def _prepare_elastic_folder(cfg: TrainConfig, resume: bool) -> tuple[int, int]:
+    """Make ``cfg.out`` ready for the workers: ``logs/``, ``workers/``, ``config.json``; what is rebuilt from the
+    workers' reports removed (their reports too, unless resuming: then cut back to the checkpoints). Returns the
+    last round already shown (-1: none) and the round every worker starts at.
+
+    Raises:
+        PreflightError: ``resume`` without a checkpoint of every worker.
+    """
     out = Path(cfg.out)
-    logs = out / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
     (out / "workers").mkdir(parents=True, exist_ok=True)
     quiet_until, start_round = _prepare_resume(out, cfg.workers) if resume else (-1, 0)
-    for stale in ("summary.json", "loss.png", "metrics.jsonl"):  # rebuilt from the workers' reports
-        with contextlib.suppress(FileNotFoundError):
-            (out / stale).unlink()
+    stale = [out / "summary.json", out / "loss.png", out / "metrics.jsonl", stop_path(out)]  # rebuilt from reports
     if not resume:
-        for k in range(cfg.workers):
-            with contextlib.suppress(FileNotFoundError):
-                rows_path(out, k).unlink()
-    with contextlib.suppress(FileNotFoundError):
-        stop_path(out).unlink()
-    config_path = out / "config.json"
-    write_json(config_path, dataclasses.asdict(cfg))
+        stale += [rows_path(out, k) for k in range(cfg.workers)]
+    for path in stale:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+    write_json(out / "config.json", cfg.as_dict())
+    return quiet_until, start_round
 
-    merger = Merger(out / "workers", cfg.workers, eval_points(cfg), sync_every=cfg.sync_every, steps=cfg.steps)
-    metrics = open(out / "metrics.jsonl", "w", encoding="utf-8")  # noqa: SIM115 - closed below
-    wrote_info = [False]
 
-    def pump(gone: set[int]) -> None:
-        merger.read()
-        if merger.info is not None and not wrote_info[0]:
-            info = {k: v for k, v in merger.info.items() if k != "_worker"}
-            write_json(out / "run.json", info)
-            wrote_info[0] = True
-        for row in merger.ready(gone):
-            metrics.write(json.dumps(row) + "\n")
-            metrics.flush()
-            if on_row is not None and row["round"] > quiet_until:
-                on_row(row)
+class _ElasticRun:
+    """The launching process's side of an elastic job: the gossip store, one torchrun job per worker slot, and
+    the merge of their reports into ``metrics.jsonl`` (and ``run.json``, from the first worker's start)."""
 
-    store = GossipStore("127.0.0.1", 0)
-    env = dict(os.environ)
-    env.update({"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", STORE_ENV: store.address,
-                WORKERS_ENV: str(cfg.workers), MIN_WORKERS_ENV: str(cfg.workers), JOB_ENV: "pretrain"})
-    env.pop("TORCHELASTIC_RESTART_COUNT", None)
-    env[START_ROUND_ENV] = str(start_round)  # resumed workers all start there (their checkpoints may differ)
-    procs: list[subprocess.Popen[bytes]] = []
-    files = []
-    saved_term = signal.getsignal(signal.SIGTERM)
+    def __init__(self, cfg: TrainConfig, on_row: Callable[[dict[str, Any]], Any] | None, quiet_until: int):
+        from ..elastic import GossipStore
+        from .merge import Merger
 
-    def on_term(signum: int, frame: Any) -> None:
-        raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+        self.cfg, self.out, self.on_row, self.quiet_until = cfg, Path(cfg.out), on_row, quiet_until
+        self.merger = Merger(self.out / "workers", cfg.workers, eval_points(cfg), sync_every=cfg.sync_every,
+                             steps=cfg.steps)
+        self.metrics = open(self.out / "metrics.jsonl", "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self.wrote_info = False
+        self.store = GossipStore("127.0.0.1", 0)
+        self.procs: list[Any] = []
+        self.logs: list[Any] = []
+        self.saved_term = signal.getsignal(signal.SIGTERM)
 
-    signal.signal(signal.SIGTERM, on_term)
-    try:
-        if on_start is not None:
-            on_start()
-        cmd = torchrun_command(["-m", "fgdiloco.pretrain.elastic_worker", str(config_path)],
+    def pump(self, gone: set[int]) -> None:
+        """Merge what the workers reported since the last call (``gone``: the slots whose job has ended)."""
+        import json
+
+        self.merger.read()
+        if self.merger.info is not None and not self.wrote_info:
+            write_json(self.out / "run.json", {k: v for k, v in self.merger.info.items() if k != "_worker"})
+            self.wrote_info = True
+        for row in self.merger.ready(gone):
+            self.metrics.write(json.dumps(row) + "\n")
+            self.metrics.flush()
+            if self.on_row is not None and row["round"] > self.quiet_until:
+                self.on_row(row)
+
+    def run(self, on_start: Callable[[], Any] | None, start_round: int) -> list[int]:
+        """Start every worker and merge until all have ended; returns their exit codes. On SIGINT / SIGTERM (or any
+        error) the workers are stopped and what they reported is merged before it is raised again."""
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        def on_term(signum: int, frame: Any) -> None:
+            raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+
+        signal.signal(signal.SIGTERM, on_term)
+        try:
+            if on_start is not None:
+                on_start()
+            self._start_workers(start_round)
+            while True:
+                gone = {k for k, p in enumerate(self.procs) if p.poll() is not None}
+                self.pump(gone)
+                if len(gone) == len(self.procs):
+                    return [p.returncode for p in self.procs]
+                time.sleep(0.2)
+        except BaseException as e:
+            self._stop_workers(signal.SIGTERM if isinstance(e, SignalException) else signal.SIGINT)
+            raise
+
+    def _start_workers(self, start_round: int) -> None:
+        import subprocess
+
+        from ..elastic import JOB_ENV, MIN_WORKERS_ENV, STORE_ENV, WORKER_ENV, WORKERS_ENV, torchrun_command
+        from .elastic_worker import START_ROUND_ENV
+
+        cfg = self.cfg
+        env = dict(os.environ)
+        env.update({"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", STORE_ENV: self.store.address,
+                    WORKERS_ENV: str(cfg.workers), MIN_WORKERS_ENV: str(cfg.workers), JOB_ENV: "pretrain"})
+        env.pop("TORCHELASTIC_RESTART_COUNT", None)
+        env[START_ROUND_ENV] = str(start_round)  # resumed workers all start there (their checkpoints may differ)
+        cmd = torchrun_command(["-m", "fgdiloco.pretrain.elastic_worker", str(self.out / "config.json")],
                                max_restarts=cfg.max_restarts)
         for k in range(cfg.workers):
-            f = open(logs / f"worker{k}.log", "ab")  # noqa: SIM115 - closed below
-            files.append(f)
-            procs.append(subprocess.Popen(cmd, env={**env, WORKER_ENV: str(k)}, stdout=f, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL))
-        while True:
-            gone = {k for k, p in enumerate(procs) if p.poll() is not None}
-            pump(gone)
-            if len(gone) == len(procs):
-                break
-            time.sleep(0.2)
-    except BaseException as e:
-        stop_sig = signal.SIGTERM if isinstance(e, SignalException) else signal.SIGINT
-        for p in procs:  # a terminal's Ctrl-C reached the whole group already; make sure every agent hears it
+            f = open(self.out / "logs" / f"worker{k}.log", "ab")  # noqa: SIM115 - closed in close()
+            self.logs.append(f)
+            self.procs.append(subprocess.Popen(cmd, env={**env, WORKER_ENV: str(k)}, stdout=f,
+                                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+
+    def _stop_workers(self, sig: int) -> None:
+        import subprocess
+
+        for p in self.procs:  # a terminal's Ctrl-C reached the whole group already; make sure every agent hears it
             if p.poll() is None:
                 with contextlib.suppress(OSError):
-                    p.send_signal(stop_sig)
-        for p in procs:
+                    p.send_signal(sig)
+        for p in self.procs:
             try:
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
         with contextlib.suppress(Exception):
-            pump(set(range(len(procs))))
-        raise
-    finally:
-        signal.signal(signal.SIGTERM, saved_term)
-        metrics.close()
-        for f in files:
+            self.pump(set(range(len(self.procs))))
+
+    def close(self) -> None:
+        signal.signal(signal.SIGTERM, self.saved_term)
+        self.metrics.close()
+        for f in self.logs:
             f.close()
-        store.close()
-    codes = [p.returncode for p in procs]
+        self.store.close()
+
+
+def _elastic_summary(cfg: TrainConfig, merger: Any, codes: list[int], resume: bool) -> dict[str, Any]:
+    """``summary.json`` and ``loss.png`` of a finished elastic job, from the merged rows.
+
+    Raises:
+        WorkerFailed: every worker failed for good, or none reported anything (the lowest slot's cause and log).
+    """
+    out = Path(cfg.out)
+    logs = out / "logs"
     lost = [k for k, c in enumerate(codes) if c != 0]
-    if len(lost) == len(procs) or not merger.merged:
+    if len(lost) == len(codes) or not merger.merged:
         k = lost[0] if lost else 0
         reason = _failure_reason(logs / f"worker{k}.log", codes[k])
         raise WorkerFailed(k, reason, logs / f"worker{k}.log", traceback=not reason.startswith(("killed", "stopped")))

@@ -1,7 +1,8 @@
-"""Merging an elastic job's per-worker reports into ``metrics.jsonl`` rows (in the launching process).
+"""Merging per-worker reports into ``metrics.jsonl`` rows: an elastic job's (in the launching process, as they
+grow), and a benchmark's per-rank rows (:func:`write_merged`, after a ``benchmarks/peers.py`` run).
 
 Each elastic worker writes its own ``<out>/workers/worker<k>.jsonl``
-(:data:`fgdiloco.pretrain.elastic_worker.EVENTS`); no worker waits for another to report. :class:`Merger` reads
+(:data:`fgdiloco.pretrain.reports.EVENTS`); no worker waits for another to report. :class:`Merger` reads
 the files as they grow and makes the row of evaluation point R once every worker has reported R or a later point
 (or joined a later round: it will never report R), or has ended for good. The row has today's format
 (:data:`~fgdiloco.pretrain.results.ROW_FIELDS`): "rank 0" fields are the lowest reporting slot's, means are over
@@ -14,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Merger"]
+__all__ = ["Merger", "merge_rank_rows", "read_rank_rows", "write_merged"]
 
 #: Worker row fields the merged row takes from the lowest reporting slot and averages over the reporters.
 _PER_WORKER = ("eval_loss", "train_loss", "utilisation", "bytes_sent", "consensus_distance")
@@ -161,3 +162,65 @@ class Merger:
         """The largest peak resident memory any worker process reported (bytes)."""
         vals = [int(x.get("peak_rss_bytes") or 0) for x in self.reports + list(self.ends.values())]
         return max(vals, default=0)
+
+
+# ---------------------------------------------------------------------------------------------------- per-rank rows
+def read_rank_rows(run_dir: Path) -> dict[int, list[dict[str, Any]]]:
+    """``{rank: rows}`` from the ``rank<i>.jsonl`` files of a peer run."""
+    out = {}
+    for p in sorted(run_dir.glob("rank*.jsonl")):
+        rank = int(p.stem[4:])
+        out[rank] = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    return out
+
+
+def merge_rank_rows(per_rank: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The rows ``wan.py`` reads (``metrics.jsonl``) from the ranks' own rows: rank 0's row per evaluation point,
+    with ``eval_loss`` rank 0's, and ``eval_loss_mean``, ``utilisation_mean``, ``net_tx_bytes_mean`` and
+    ``net_rx_bytes_mean`` the means over the ranks that reached that step (a dead rank drops out of later means).
+
+    Raises:
+        ValueError: no rank 0 rows.
+    """
+    if not per_rank.get(0):
+        raise ValueError("rank 0 wrote no rows")
+    by_step = {r: {row["step"]: row for row in rows} for r, rows in per_rank.items()}
+
+    def mean(key: str, step: int) -> float | None:
+        v = [by_step[r][step][key] for r in by_step if step in by_step[r] and by_step[r][step].get(key) is not None]
+        return sum(v) / len(v) if v else None
+
+    merged = []
+    for row in per_rank[0]:
+        s = row["step"]
+        m = dict(row)
+        m.update(eval_loss_mean=mean("eval_loss", s), utilisation_mean=mean("utilisation", s),
+                 net_tx_bytes_mean=mean("net_tx_bytes", s), net_rx_bytes_mean=mean("net_rx_bytes", s),
+                 ranks=sum(1 for r in by_step if s in by_step[r]))
+        merged.append(m)
+    return merged
+
+
+def write_merged(run_dir: Path) -> list[dict[str, Any]]:
+    """Write ``metrics.jsonl`` and ``summary.json`` of a peer run from its per-rank files; returns the rows."""
+    rows = merge_rank_rows(read_rank_rows(run_dir))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    done0 = json.loads((run_dir / "rank0.done.json").read_text()) if (run_dir / "rank0.done.json").is_file() else {}
+    util = [r["utilisation_mean"] for r in rows[1:] if r.get("utilisation_mean") is not None]
+    summary = {"method": "peer", "steps": done0.get("steps"), "stopped_early": done0.get("stopped_early"),
+               "utilisation": sum(util) / len(util) if util else None, "bytes_sent": None,
+               "failed_exchanges": sum(r.get("failed_exchanges") or 0 for r in rows),
+               "config": done0.get("config"), "peer": done0.get("peer"), "torchft": done0.get("torchft"),
+               "commits": done0.get("commits"), "cpu_per_train_second": _cpu_fraction(run_dir)}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return rows
+
+
+def _cpu_fraction(run_dir: Path) -> float | None:
+    """Mean over ranks of CPU seconds / training wall seconds (1.0 = one core busy all the time)."""
+    v = []
+    for p in run_dir.glob("rank*.done.json"):
+        d = json.loads(p.read_text())
+        if d.get("train_cpu_seconds") is not None and d.get("train_seconds"):
+            v.append(d["train_cpu_seconds"] / d["train_seconds"])
+    return sum(v) / len(v) if v else None

@@ -33,7 +33,7 @@ from ..factor.subspace import (
 SUBSPACE_HEADS = ("dense", "subspace")
 
 __all__ = ["GPT", "GPTConfig", "GPTStage", "SubspaceLinear", "SubspacePositionEmbedding", "SubspaceTiedHead",
-           "SubspaceTokenEmbedding", "activation_codec_for", "build_stage", "lm_loss"]
+           "SubspaceTokenEmbedding", "activation_codec_for", "build_stage", "fragments_of", "lm_loss", "two_stage_step"]
 
 
 @dataclass
@@ -641,3 +641,55 @@ def build_stage(config: GPTConfig, stages: int, stage: int, *, subspace_rank: in
         torch.manual_seed(seed)
         model = GPT(config, subspace_rank=subspace_rank, subspace_seed=subspace_seed)
         return model.split(stages, subspace_head=subspace_head)[stage]
+
+
+def fragments_of(model: GPT, n: int) -> list[nn.Module]:
+    """Split the example GPT into ``n`` fragments (``nn.ModuleList``s; Streaming DiLoCo's, as torchft takes them), in
+    forward order: the blocks in ``n`` contiguous groups, the token / position embeddings (the token embedding is
+    tied to the output head) with the first, the final LayerNorm with the last. Every trainable parameter is in
+    exactly one fragment (``n = 1``: the model itself).
+
+    Raises:
+        ValueError: ``n`` not in ``[1, n_layer]``.
+    """
+    blocks = list(model.transformer.h)
+    if not 1 <= n <= len(blocks):
+        raise ValueError(f"fragments must be in [1, n_layer={len(blocks)}], got {n}")
+    if n == 1:
+        return [model]
+    per, extra = divmod(len(blocks), n)
+    out, start = [], 0
+    for i in range(n):
+        size = per + (1 if i < extra else 0)
+        mods = blocks[start:start + size]
+        start += size
+        if i == 0:
+            mods = [model.transformer.wte, model.transformer.wpe, *mods]
+        if i == n - 1:
+            mods = [*mods, model.transformer.ln_f]
+        out.append(nn.ModuleList(mods))
+    return out
+
+
+def two_stage_step(model: GPT, idx: torch.Tensor, targets: torch.Tensor, codec: SubspaceCodec | None,
+                   cut: int) -> tuple[float, int, int]:
+    """One forward + backward of ``model`` split after block ``cut`` into two simulated stages in one process (the
+    boundary through ``codec``, a subspace model's :class:`~fgdiloco.factor.SubspaceCodec`, or as it is); returns
+    ``(loss, bytes forward, bytes backward)`` of what crossed the boundary. Gradients accumulate in ``model``: the
+    same as the unsplit model's (``benchmarks/subspace.py --simulated`` trains with it)."""
+    t = model.transformer
+    pos = torch.arange(idx.shape[1])
+    x = t.drop(t.wte(idx) + t.wpe(pos))
+    for block in t.h[:cut]:
+        x = block(x)
+    sent = x if codec is None else codec.boundary_out(x, idx)  # stage 0's output
+    received = sent.detach().requires_grad_()  # the wire
+    x = received if codec is None else codec.boundary_in(received, idx)
+    for block in t.h[cut:]:
+        x = block(x)
+    logits = model.lm_head(t.ln_f(x))
+    loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+    loss.backward()  # stage 1
+    sent.backward(received.grad)  # stage 0, from the gradient that came back
+    grad = received.grad
+    return float(loss.detach()), sent.numel() * sent.element_size(), grad.numel() * grad.element_size()

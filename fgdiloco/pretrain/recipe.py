@@ -1,11 +1,13 @@
 """The example job's training recipe, in one place for every trainer that runs it: the group worker
-(:mod:`fgdiloco.pretrain.worker`), the elastic worker (:mod:`fgdiloco.pretrain.elastic_worker`) and the benchmarks'
-own loops (``benchmarks/peers.py`` for torchft, ``benchmarks/subspace.py``), so that side-by-side runs differ only in
-how they synchronise.
+(:mod:`fgdiloco.pretrain.worker`), the elastic worker (:mod:`fgdiloco.pretrain.elastic_worker`) and the benchmarks
+(``benchmarks/peers.py`` for torchft, ``benchmarks/subspace.py``), so that side-by-side runs differ only in how they
+synchronise (:mod:`fgdiloco.pretrain.sync`).
 
-The recipe (nanoGPT's): AdamW with betas (0.9, 0.95), weight decay on matrices only; linear warm-up, then cosine
-decay of the learning rate to ``min_lr_ratio``; gradients clipped to a global norm of ``grad_clip``; held-out loss as
-the mean over fixed evaluation batches.
+The recipe (nanoGPT's): the token ids of the text (:func:`load_tokens`), the seeded model (:func:`build_model`, the
+same initial weights on every worker), AdamW with betas (0.9, 0.95), weight decay on matrices only; linear warm-up,
+then cosine decay of the learning rate to ``min_lr_ratio``; each replica's own batch stream (:class:`Batches`);
+gradients clipped to a global norm of ``grad_clip``; held-out loss as the mean over fixed evaluation batches
+(:func:`eval_batches`, :func:`held_out_loss`).
 """
 
 from __future__ import annotations
@@ -13,19 +15,65 @@ from __future__ import annotations
 import math
 import os
 import resource
+import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
-from .data import sample_batch
+from .config import TrainConfig
+from .data import build_tokenizer, cache_dir_for, encode_corpus, load_text, sample_batch
+from .model import GPT, GPTConfig
 
-if TYPE_CHECKING:
-    from .worker import TrainConfig
+__all__ = ["Batches", "batch_seed", "build_model", "clip_gradients", "eval_batches", "held_out_loss",
+           "inner_optimizer", "load_tokens", "lr_at", "net_bytes", "next_batch", "peak_rss_bytes"]
 
-__all__ = ["lr_at", "inner_optimizer", "next_batch", "clip_gradients", "held_out_loss", "net_bytes",
-           "peak_rss_bytes"]
+
+def load_tokens(cfg: TrainConfig) -> tuple[torch.Tensor, int, dict[str, Any]]:
+    """The token ids of ``cfg.data`` (1-D long), the vocabulary size and ``{"chars", "cache_dir",
+    "data_seconds"}``: the tokenizer and ids come from the cache :func:`~fgdiloco.pretrain.launcher.preflight`
+    filled (built here when missing)."""
+    t0 = time.perf_counter()
+    text = load_text(cfg.data)
+    cache = cache_dir_for(cfg.data, cfg.cache_dir)
+    tok = build_tokenizer(text, cfg.tokenizer, cfg.vocab_size, cache_dir=cache)
+    tokens = encode_corpus(text, tok, cache_dir=cache)
+    return tokens, tok.vocab_size, {"chars": len(text), "cache_dir": str(cache),
+                                    "data_seconds": time.perf_counter() - t0}
+
+
+def build_model(cfg: TrainConfig, vocab_size: int) -> GPT:
+    """The job's GPT, seeded with ``cfg.seed`` (the global generator): the same initial weights on every worker."""
+    torch.manual_seed(cfg.seed)
+    return GPT(GPTConfig(vocab_size=vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                         n_embd=cfg.n_embd, dropout=cfg.dropout), subspace_rank=cfg.subspace_rank)
+
+
+def eval_batches(cfg: TrainConfig, val: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The fixed held-out batches (``cfg.eval_batches`` of them, the same on every worker and at every
+    evaluation)."""
+    gen = torch.Generator().manual_seed(cfg.seed + 7919)
+    return [sample_batch(val, cfg.batch_size, cfg.block_size, gen) for _ in range(cfg.eval_batches)]
+
+
+def batch_seed(cfg: TrainConfig, replica: int) -> int:
+    """Seed of the training batches of ``replica``: every stage of a replica draws the same batches (stage 0 uses
+    the inputs, the last stage the targets), and replica r draws what worker r of a one-stage run draws."""
+    return cfg.seed * 100_003 + replica + 1
+
+
+class Batches:
+    """The training batches of one replica: ``batches(step)`` sets the learning rate of inner step ``step``
+    (:func:`lr_at`) and draws its batch from ``train`` (:func:`next_batch`). ``generator`` is what a checkpoint
+    saves."""
+
+    def __init__(self, cfg: TrainConfig, train: torch.Tensor, inner: torch.optim.Optimizer, replica: int):
+        self.cfg, self.train, self.inner = cfg, train, inner
+        self.generator = torch.Generator().manual_seed(batch_seed(cfg, replica))
+
+    def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return next_batch(self.inner, self.cfg, step, self.train, self.generator)
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:

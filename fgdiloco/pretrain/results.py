@@ -12,8 +12,8 @@ reports in ``workers/``, and for an interrupted run):
 * ``loss.png``: :func:`plot`.
 * ``logs/``: each worker's stdout and stderr (and torchelastic's ``error.json`` of a failed worker).
 * elastic runs: ``config.json`` (the configuration the workers read; ``--resume`` continues it), ``workers/``
-  (each worker's reports, :data:`fgdiloco.pretrain.elastic_worker.EVENTS`), ``checkpoints/`` (each worker's
-  newest checkpoint).
+  (each worker's reports, :func:`rows_path`, :data:`fgdiloco.pretrain.reports.EVENTS`), ``checkpoints/`` (each
+  worker's newest checkpoint, :func:`checkpoint_path`).
 
 Counting is the same everywhere: ``round`` and ``step`` count what is *done*. ``round`` k (1-based) is the k-th
 outer round, ``round`` 0 the evaluation before training; the command's progress lines print the same numbers.
@@ -26,19 +26,30 @@ import contextlib
 import json
 import math
 import os
+import uuid
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from .config import TrainConfig
 
 __all__ = [
     "OUTPUT_NAMES",
     "ROW_FIELDS",
     "SUMMARY_FIELDS",
+    "checkpoint_path",
     "format_round",
     "holds_results",
     "plot",
     "read_rows",
+    "rows_path",
+    "run_info",
+    "stop_path",
     "summarise",
+    "title",
     "write_json",
 ]
 
@@ -128,6 +139,63 @@ SUMMARY_FIELDS: dict[str, str] = {
                      "it was: its checkpoint's round or 0), step, time (unix s); loss.png marks them",
     "workers_lost": "elastic runs: workers whose torchrun job failed for good (restarts used up), with the cause",
 }
+
+
+def rows_path(out: str | os.PathLike[str], worker: int) -> Path:
+    """``<out>/workers/worker<k>.jsonl``: what elastic worker ``k`` reports (every life appends)."""
+    return Path(out) / "workers" / f"worker{worker}.jsonl"
+
+
+def checkpoint_path(out: str | os.PathLike[str], worker: int) -> Path:
+    """``<out>/checkpoints/worker<k>.pt``: elastic worker ``k``'s newest complete checkpoint."""
+    return Path(out) / "checkpoints" / f"worker{worker}.pt"
+
+
+def stop_path(out: str | os.PathLike[str]) -> Path:
+    """``<out>/workers/stop``: written by the first elastic worker past ``max_seconds``; every worker stops at its
+    next evaluation point once it is there (the workers share no collective to agree on it)."""
+    return Path(out) / "workers" / "stop"
+
+
+def title(cfg: TrainConfig, *, method: str, label: str, workers: int, params: int, elastic: bool = False) -> str:
+    """The title of ``loss.png``: the method, the run's shape and size."""
+    shape = (f": {workers // cfg.stages} replicas x {cfg.stages} stages" if cfg.stages > 1
+             else f": {workers} workers")
+    sync = ("" if method == "ddp" else f", H={cfg.sync_every}" if method == "localsgd" else
+            f", H={cfg.sync_every}, {cfg.topology}, codec {cfg.codec}")
+    return (label + (" (elastic)" if elastic else "") + shape + f", {cfg.steps} steps" + sync
+            + f", {params / 1e6:.2f}M params")
+
+
+def run_info(cfg: TrainConfig, *, method: str, workers: int, replicas: int, tokens_per_step: int, params: int,
+             vocab_size: int, train: torch.Tensor, val: torch.Tensor, unigram: float, cache_dir: Any,
+             setup_seconds: float, title: str, **extra: Any) -> dict[str, Any]:
+    """What ``run.json`` says about a run (and ``summary.json`` repeats): method, shape, plan, data, set-up time
+    (seconds), the title of ``loss.png``, torch's version and the whole configuration; ``extra`` is added."""
+    import torch
+
+    return {
+        "run_id": cfg.run_id or uuid.uuid4().hex[:12],
+        "method": method,
+        **extra,
+        "workers": workers,
+        "replicas": replicas,
+        "stages": cfg.stages,
+        "rounds_planned": cfg.rounds,
+        "steps_planned": cfg.steps,
+        "tokens_per_step": tokens_per_step,
+        "params": params,
+        "vocab_size": vocab_size,
+        "train_tokens": int(train.numel()),
+        "val_tokens": int(val.numel()),
+        "unigram_loss": unigram,
+        "data": cfg.data if cfg.data is not None else "bundled corpus (fgdiloco/pretrain/corpus)",
+        "cache_dir": cache_dir,
+        "setup_seconds": setup_seconds,
+        "title": title,
+        "torch": torch.__version__,
+        "config": cfg.as_dict(),
+    }
 
 
 def write_json(path: Path, data: Any) -> None:

@@ -1,0 +1,320 @@
+"""Side-by-side runs of the example job: what ``benchmarks/wan.py`` runs and how it compares the runs.
+
+The runner (network namespaces, processes, torchft) lives in ``benchmarks/``; the definitions and the pure analysis
+live here, so that the package's ``fgdiloco simulate`` and the tests use the same ones without importing the
+benchmarks:
+
+* :data:`JOB` (the job every method runs, also the "real GPT" whose codec bytes the simulator measures),
+  :data:`METHODS` (method name -> :class:`~fgdiloco.pretrain.config.TrainConfig` overrides), :data:`PEERS`,
+  :data:`LABEL`, :data:`FAMILY`;
+* the peer runs' options (:data:`PEER_DEFAULTS`, :func:`check_peer`) for torchft's DiLoCo / Streaming DiLoCo and
+  the dead-worker runs;
+* :func:`crossing`, :func:`loss_at`, :func:`compare` (time and tokens to a reference method's final held-out loss,
+  loss at equal tokens, ratios, :func:`ratio_key`), :func:`targets`, :func:`peer_targets`;
+* :func:`dead_worker_cost`: what one dead worker cost a survivor, from its own rows.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+__all__ = ["DIED_EXIT_CODE", "FAMILY", "JOB", "LABEL", "LOOSE", "METHODS", "PEERS", "PEER_DEFAULTS", "check_peer",
+           "compare", "crossing", "dead_worker_cost", "loss_at", "peer_targets", "ratio_key", "row_loss", "targets"]
+
+#: The job every method of ``benchmarks/wan.py`` runs (TrainConfig fields): also the "real GPT" whose codec bytes
+#: ``fgdiloco simulate`` measures, and the run shape of the measured runs its model is validated against.
+JOB: dict[str, Any] = {
+    "workers": 4,
+    "n_layer": 2,
+    "n_head": 4,
+    "n_embd": 128,
+    "vocab_size": 1024,
+    "block_size": 64,
+    "batch_size": 8,
+    "lr": 3e-3,
+    "warmup_steps": 20,
+    "weight_decay": 0.1,
+    "sync_every": 10,
+    "steps": 300,
+    "seed": 0,
+    "eval_batches": 8,
+}
+
+
+#: method name -> TrainConfig overrides
+METHODS: dict[str, dict[str, Any]] = {
+    "ddp": {"baseline": "ddp"},
+    "diloco": {"topology": "allreduce", "codec": "dense", "mix2_rounds": 1},
+    "localsgd": {"baseline": "localsgd"},
+    "fg-dense-r2=0": {"topology": "random", "codec": "dense", "mix2_rounds": 0},
+    "fg-dense-r2=1": {"topology": "random", "codec": "dense", "mix2_rounds": 1},
+    "fg-lowrank-r2=0": {"topology": "random", "codec": "lowrank", "codec_rank": 4, "mix2_rounds": 0},
+    "fg-lowrank-r2=1": {"topology": "random", "codec": "lowrank", "codec_rank": 4, "mix2_rounds": 1},
+    # the peers (benchmarks/peers.py; torchft from `pip install -e ".[bench]"`): torchft's DiLoCo, and its Streaming
+    # DiLoCo with the model in 2 fragments (embeddings + block 0 | block 1 + final norm), one synchronised every
+    # H / 2 steps, each all-reduce started 2 inner steps before it is needed and the result mixed half-half with
+    # the local fragment (Streaming DiLoCo's tau and alpha). should_quantize stays off: torchft's quantised
+    # all-reduce is Triton (GPU) code and without Triton torchft silently sends fp32 anyway.
+    "torchft-diloco": {"peer": {"backend": "torchft", "fragments": 1}},
+    "torchft-streaming": {"peer": {"backend": "torchft", "fragments": 2, "fragment_sync_delay": 2,
+                                   "fragment_update_alpha": 0.5}},
+}
+#: the methods --peers adds to the default set
+PEERS = ("torchft-diloco", "torchft-streaming")
+FAMILY = {"ddp": "ddp", "diloco": "diloco", "localsgd": "localsgd", "torchft-diloco": "torchft",
+          "torchft-streaming": "torchft"}
+LABEL = {"ddp": "DDP (per step)", "diloco": "DiLoCo", "localsgd": "post-local SGD (PyTorch)",
+         "fg-dense-r2=0": "FG-DiLoCo dense, r2=0", "fg-dense-r2=1": "FG-DiLoCo dense, r2=1",
+         "fg-lowrank-r2=0": "FG-DiLoCo LowRank r4 int8, r2=0", "fg-lowrank-r2=1": "FG-DiLoCo LowRank r4 int8, r2=1",
+         "torchft-diloco": "torchft DiLoCo", "torchft-streaming": "torchft Streaming DiLoCo (F=2, tau=2, alpha=0.5)"}
+#: exit code of the worker killed on purpose (the orchestrator does not count it as a failure)
+DIED_EXIT_CODE = 17
+
+#: peer options and their defaults (the "peer" entry of a run's config)
+PEER_DEFAULTS: dict[str, Any] = {
+    "backend": "torchft",  # "torchft" or "fgdiloco"
+    "fragments": 1,
+    "fragment_sync_delay": 0,
+    "fragment_update_alpha": 0.0,
+    "should_quantize": False,
+    "lighthouse": None,  # "http://<addr>:<port>" (torchft)
+    "store_port": 29600,  # this replica's TCPStore, in its own namespace (torchft)
+    "manager_port": 29610,  # this replica's ManagerServer (torchft)
+    "min_replicas": None,  # torchft Manager.min_replica_size; None: workers - 1 (one failure tolerated)
+    "die_rank": None,
+    "die_at_step": None,
+    "stop_flag": True,  # all-reduce the max_seconds stop flag over the world group each round
+}
+
+
+def check_peer(peer: dict[str, Any], sync_every: int, workers: int) -> dict[str, Any]:
+    """``peer`` completed with :data:`PEER_DEFAULTS` and checked against the job.
+
+    Raises:
+        ValueError: an unknown key or backend, ``fragments`` not dividing ``sync_every``, ``fragment_sync_delay``
+            not in ``[0, sync_every / fragments)``, ``fragment_update_alpha`` not in [0, 1], or a fault outside the
+            job (``die_rank`` not in ``[1, workers)``: rank 0 hosts the store and the lighthouse).
+    """
+    unknown = sorted(set(peer) - set(PEER_DEFAULTS))
+    if unknown:
+        raise ValueError(f"unknown peer option(s) {unknown}; allowed: {', '.join(PEER_DEFAULTS)}")
+    p = {**PEER_DEFAULTS, **peer}
+    if p["backend"] not in ("torchft", "fgdiloco"):
+        raise ValueError(f"backend must be 'torchft' or 'fgdiloco', got {p['backend']!r}")
+    f = p["fragments"]
+    if not isinstance(f, int) or f < 1 or sync_every % f:
+        raise ValueError(f"fragments must be an integer >= 1 dividing sync_every={sync_every}, got {f!r}")
+    d = p["fragment_sync_delay"]
+    if not isinstance(d, int) or not 0 <= d < sync_every // f:
+        raise ValueError(f"fragment_sync_delay must be an integer in [0, {sync_every // f}) "
+                         f"(sync_every / fragments), got {d!r}")
+    if not 0.0 <= float(p["fragment_update_alpha"]) <= 1.0:
+        raise ValueError(f"fragment_update_alpha must be in [0, 1], got {p['fragment_update_alpha']!r}")
+    if p["die_rank"] is not None:
+        if not isinstance(p["die_rank"], int) or not 1 <= p["die_rank"] < workers:
+            raise ValueError(f"die_rank must be an integer in [1, {workers}) (rank 0 hosts the store and the "
+                             f"lighthouse), got {p['die_rank']!r}")
+        if not isinstance(p["die_at_step"], int) or p["die_at_step"] < 1:
+            raise ValueError(f"die_at_step must be an integer >= 1 with die_rank, got {p['die_at_step']!r}")
+    return p
+
+
+def row_loss(row: dict[str, Any]) -> float:
+    """A row's held-out loss: the mean over the replicas when the row has it, else rank 0's."""
+    v = row.get("eval_loss_mean")
+    return row["eval_loss"] if v is None else v
+
+
+def crossing(rows: list[dict[str, Any]], key: str, target: float) -> float | None:
+    """First value of ``key`` (linearly interpolated between evaluations) at which the loss reaches ``target``."""
+    prev = None
+    for r in rows:
+        if row_loss(r) <= target:
+            if prev is None:
+                return float(r[key])
+            l0, l1 = row_loss(prev), row_loss(r)
+            f = (l0 - target) / (l0 - l1) if l0 != l1 else 1.0
+            return float(prev[key] + f * (r[key] - prev[key]))
+        prev = r
+    return None
+
+
+def loss_at(rows: list[dict[str, Any]], tokens: float) -> float | None:
+    """Held-out loss at ``tokens`` (interpolated); None when the run did not get there."""
+    prev = None
+    for r in rows:
+        if r["tokens"] >= tokens:
+            if prev is None or r["tokens"] == tokens:
+                return row_loss(r)
+            f = (tokens - prev["tokens"]) / (r["tokens"] - prev["tokens"])
+            return row_loss(prev) + f * (row_loss(r) - row_loss(prev))
+        prev = r
+    return None
+
+
+def ratio_key(ref: str) -> str:
+    """The key of the ratios to method ``ref`` in a :func:`compare` row (``ratio_to_diloco``,
+    ``ratio_to_torchft_diloco``)."""
+    return "ratio_to_" + ref.replace("-", "_")
+
+
+def compare(runs: list[dict[str, Any]], bandwidths: list[float], ref_method: str = "diloco") -> dict[str, Any]:
+    """Targets, time/tokens to target, loss at equal tokens and ratios to ``ref_method`` (its final held-out loss
+    is the target, its tokens the equal-token point), per bandwidth."""
+    table: dict[str, Any] = {}
+    key = ratio_key(ref_method)
+    for bw in bandwidths:
+        here = [r for r in runs if r["bandwidth_mbit"] == bw and not r.get("error")]
+        ref = next((r for r in here if r["method"] == ref_method), None)
+        if ref is None:
+            continue
+        target = ref["final_loss"]
+        loose = target * (1 + LOOSE)
+        tokens_eq = ref["tokens"]
+        rows = {}
+        for r in here:
+            t_time = crossing(_curve_rows(r), "train_seconds", target)
+            t_tok = crossing(_curve_rows(r), "tokens", target)
+            leq = loss_at(_curve_rows(r), tokens_eq)
+            rows[r["method"]] = {
+                "seconds_to_loose_target": crossing(_curve_rows(r), "train_seconds", loose),
+                "tokens_to_loose_target": crossing(_curve_rows(r), "tokens", loose),
+                "utilisation": r["utilisation"],
+                "train_seconds": r["train_seconds"],
+                "tokens": r["tokens"],
+                "capped": r["capped"],
+                "seconds_to_target": t_time,
+                "tokens_to_target": t_tok,
+                "loss_at_equal_tokens": leq,
+                "final_loss": r["final_loss"],
+                "wire_tx_bytes_per_worker": r["wire_tx_bytes_per_worker"],
+            }
+        base = rows[ref_method]
+        for row in rows.values():
+            row[key] = {
+                "utilisation": _ratio(row["utilisation"], base["utilisation"]),
+                "seconds_to_target": _ratio(row["seconds_to_target"], base["seconds_to_target"]),
+                "seconds_to_loose_target": _ratio(row["seconds_to_loose_target"], base["seconds_to_loose_target"]),
+                "tokens_to_target": _ratio(row["tokens_to_target"], base["tokens_to_target"]),
+                "loss_at_equal_tokens": _ratio(row["loss_at_equal_tokens"], base["loss_at_equal_tokens"]),
+                "wire_tx_bytes_per_worker": _ratio(row["wire_tx_bytes_per_worker"], base["wire_tx_bytes_per_worker"]),
+                "train_seconds": _ratio(row["train_seconds"], base["train_seconds"]),
+            }
+        table[f"{bw:g}"] = {"reference": ref_method, "target_loss": target, "loose_target_loss": loose,
+                            "equal_tokens": tokens_eq, "methods": rows}
+    return table
+
+
+LOOSE = 0.01  # the second target: within 1 % of DiLoCo's final loss
+
+
+def _curve_rows(r: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"tokens": c["tokens"], "train_seconds": c["train_seconds"], "eval_loss_mean": c["loss"],
+             "eval_loss": c["loss"]} for c in r.get("curve", [])]
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def targets(table: dict[str, Any]) -> dict[str, Any]:
+    """The issue's targets at 100 Mbit/s for FG-DiLoCo (LowRank, mix2_rounds=1)."""
+    t = table.get("100")
+    if not t or "fg-lowrank-r2=1" not in t["methods"]:
+        return {"evaluated": False}
+    fg, dl = t["methods"]["fg-lowrank-r2=1"], t["methods"]["diloco"]
+    rel = (fg["loss_at_equal_tokens"] / dl["loss_at_equal_tokens"] - 1) if fg["loss_at_equal_tokens"] else None
+    ratio = fg["ratio_to_diloco"]["seconds_to_target"]
+    return {
+        "evaluated": True,
+        "fg_utilisation": fg["utilisation"],
+        "fg_utilisation_ge_95pct": fg["utilisation"] is not None and fg["utilisation"] >= 0.95,
+        "diloco_utilisation": dl["utilisation"],
+        "diloco_utilisation_lower": dl["utilisation"] < fg["utilisation"],
+        "fg_loss_rel_diff_at_equal_tokens": rel,
+        "fg_loss_within_2pct": rel is not None and rel <= 0.02,
+        "fg_seconds_to_diloco_final_loss_ratio": ratio,
+        "fg_time_ratio_le_0.8": ratio is not None and ratio <= 0.8,
+        "fg_seconds_to_within_1pct_of_diloco_final_loss_ratio": fg["ratio_to_diloco"]["seconds_to_loose_target"],
+    }
+
+
+def peer_targets(peers_table: dict[str, Any]) -> dict[str, Any]:
+    """The issue's targets at 100 Mbit/s against torchft: FG-DiLoCo (LowRank, r2=1) reaches torchft DiLoCo's final
+    held-out loss in <= 0.7x torchft DiLoCo's wall time and in <= 1.0x Streaming DiLoCo's."""
+    t = peers_table.get("100")
+    need = ("fg-lowrank-r2=1", "torchft-diloco", "torchft-streaming")
+    if not t or any(m not in t["methods"] for m in need):
+        return {"evaluated": False}
+    fg, tf, st = (t["methods"][m] for m in need)
+    vs_tf = _ratio(fg["seconds_to_target"], tf["seconds_to_target"])
+    vs_st = _ratio(fg["seconds_to_target"], st["seconds_to_target"])
+    return {
+        "evaluated": True,
+        "target_loss": t["target_loss"],
+        "fg_seconds_to_target": fg["seconds_to_target"],
+        "torchft_diloco_seconds_to_target": tf["seconds_to_target"],
+        "torchft_streaming_seconds_to_target": st["seconds_to_target"],
+        "fg_vs_torchft_diloco": vs_tf,
+        "fg_vs_torchft_diloco_le_0.7": vs_tf is not None and vs_tf <= 0.7,
+        "fg_vs_torchft_streaming": vs_st,
+        # Streaming DiLoCo never reaching the target counts as met when FG-DiLoCo does
+        "fg_vs_torchft_streaming_le_1.0": (vs_st is not None and vs_st <= 1.0)
+        or (fg["seconds_to_target"] is not None and st["seconds_to_target"] is None),
+        "utilisation": {m: t["methods"][m]["utilisation"] for m in need},
+    }
+
+
+def dead_worker_cost(rows: list[dict[str, Any]], die_at_step: int, sync_every: int) -> dict[str, Any]:
+    """What one dead worker cost a survivor, from that survivor's own rows (one per outer round).
+
+    * ``stall_seconds``: the blocked seconds above normal, summed over the round the worker died in and the
+      rounds after it: ``sum(max(0, blocked_k - median(blocked before the death)))``;
+    * ``rounds_lost``: outer updates that did not happen (torchft: rounds whose commit failed, so their inner steps
+      were discarded and the parameters reset to the round start; FG-DiLoCo never discards a round: 0), and
+      ``discarded_seconds``: the inner-compute seconds of those rounds;
+    * ``seconds_lost`` = stall + discarded seconds: what the survivors would have gained had the worker left
+      cleanly;
+    * ``failed_exchanges`` (FG-DiLoCo) and ``participants_after`` (torchft) for the record.
+
+    Raises:
+        ValueError: no round before the death (nothing to call normal), or no round after it.
+    """
+    died_round = -(-die_at_step // sync_every)
+    train = [r for r in rows if r["round"] > 0]
+    before = [r["blocked_seconds"] for r in train if r["round"] < died_round]
+    after = [r for r in train if r["round"] >= died_round]
+    if not before or not after:
+        raise ValueError(f"need rounds before and after the death (round {died_round}); got rounds "
+                         f"{[r['round'] for r in train]}")
+    normal = statistics.median(before)
+    stall = sum(max(0.0, r["blocked_seconds"] - normal) for r in after)
+    lost_rounds: list[int] = []
+    discarded = 0.0
+    if any("commits" in r for r in train):
+        last_normal = max((r for r in train if r["round"] < died_round), key=lambda r: r["round"])
+        per_round = max(round(last_normal["commits"] / last_normal["round"]), 1)  # fragment syncs per round
+        prev = last_normal["commits"]
+        for r in after:
+            got = r["commits"] - prev
+            if got < per_round:
+                lost_rounds.append(r["round"])
+                discarded += (per_round - got) / per_round * (r["round_seconds"] - r["blocked_seconds"])
+            prev = r["commits"]
+    return {
+        "died_at_step": die_at_step,
+        "died_in_round": died_round,
+        "normal_blocked_seconds": normal,
+        "stall_seconds": stall,
+        "rounds_lost": len(lost_rounds),
+        "lost_rounds": lost_rounds,
+        "discarded_seconds": discarded,
+        "seconds_lost": stall + discarded,
+        "blocked_seconds_by_round": {r["round"]: r["blocked_seconds"] for r in train},
+        "failed_exchanges": sum(r.get("failed_exchanges") or 0 for r in after),
+        "participants_after": [r.get("participants") for r in after] if any("participants" in r for r in after)
+        else None,
+    }
