@@ -29,7 +29,7 @@ Networks", arXiv 2506.01260) with the same seed, the same batches in the same or
 the same tokens) and ``fgdiloco pretrain``'s inner optimiser (AdamW, warm-up then cosine, clipping). Single process,
 as two simulated pipeline stages: blocks ``[0, L/2)``, then the boundary, then blocks ``[L/2, L)`` and the head. The
 unconstrained model sends ``x`` (d numbers per token) across the boundary, the subspace model sends ``c = Uᵀ(x −
-E_fix[tokens])`` (k numbers per token) through :meth:`~fgdiloco.factor.SubspaceCodec.boundary_out` /
+E_fix[tokens])`` (k numbers per token) through :meth:`~fgdiloco.pipeline.subspace.SubspaceCodec.boundary_out` /
 ``boundary_in``; backward, ``∂L/∂x`` (d per token) or ``∂L/∂c`` (k per token) comes back. The bytes reported are
 those of the tensors that actually cross, per optimiser step and boundary, fp32, against the uncompressed boundary
 in fp32 and in bf16; token ids do not travel (every stage reads the batch; with int32 ids sent along, add 4 bytes
@@ -59,7 +59,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from fgdiloco.factor import SubspaceCodec
+from fgdiloco.pipeline.subspace import SubspaceCodec
 from fgdiloco.pretrain.data import (
     build_tokenizer,
     cache_dir_for,

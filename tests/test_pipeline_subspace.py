@@ -14,14 +14,14 @@ import torch
 from torch import nn
 
 from fgdiloco import FGDiLoCo, ReplicaMesh
-from fgdiloco.factor.subspace import (
+from fgdiloco.pipeline import Pipeline
+from fgdiloco.pipeline.codec import _inferring_shapes, shape_inference
+from fgdiloco.pipeline.subspace import (
     SubspaceActivationCodec,
     SubspaceError,
     fixed_embedding,
     orthonormal_basis,
 )
-from fgdiloco.pipeline import Pipeline
-from fgdiloco.pipeline.codec import _inferring_shapes, shape_inference
 from fgdiloco.pretrain.model import GPT, GPTConfig, GPTStage, activation_codec_for, build_stage, lm_loss
 from tests.distributed import run_ranks
 

@@ -20,16 +20,17 @@ from hypothesis import strategies as st
 from torch import nn
 
 from fgdiloco import FGDiLoCo
-from fgdiloco.factor import (
+from fgdiloco.pipeline.subspace import (
     BoundaryIn,
     BoundaryOut,
     SubspaceBasis,
     SubspaceCodec,
     SubspaceError,
+    default_tolerance,
     fixed_embedding,
     orthonormal_basis,
+    orthonormalize,
 )
-from fgdiloco.factor.subspace import default_tolerance, orthonormalize
 from fgdiloco.pretrain.model import GPT, GPTConfig
 from tests.distributed import run_ranks
 
@@ -102,7 +103,7 @@ def test_orthonormalize_is_unique_up_to_the_span():
 
 _CHILD = """
 import hashlib, sys, torch
-from fgdiloco.factor import SubspaceBasis, fixed_embedding
+from fgdiloco.pipeline.subspace import SubspaceBasis, fixed_embedding
 torch.manual_seed(int(sys.argv[1]))  # the global seed must not matter
 b = SubspaceBasis(96, 12, seed=5)
 e = fixed_embedding(300, 96, seed=5)
@@ -555,3 +556,36 @@ def test_benchmark_two_stage_step_matches_the_unsplit_model_and_counts_what_cros
     assert fwd == bwd == idx.numel() * per_token * 4
     for n, p in m.named_parameters():
         torch.testing.assert_close(p.grad, want[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+# ------------------------------------------------------------------------------------------------ where it lives
+def test_the_codec_moved_to_the_pipeline_and_the_old_names_warn():
+    import fgdiloco.factor as factor
+    import fgdiloco.pipeline as pipeline
+    import fgdiloco.pipeline.subspace as new
+
+    for name in ("BoundaryIn", "BoundaryOut", "SubspaceActivationCodec", "SubspaceBasis", "SubspaceCodec",
+                 "SubspaceError", "fixed_embedding", "orthonormal_basis", "default_tolerance", "Residual"):
+        with pytest.warns(DeprecationWarning, match=rf"fgdiloco\.factor\.{name} has moved to "
+                                                    rf"fgdiloco\.pipeline\.subspace\.{name}"):
+            assert getattr(factor, name) is getattr(new, name)
+    with pytest.warns(DeprecationWarning, match="fgdiloco.pipeline.subspace"):
+        from fgdiloco.factor import SubspaceCodec as Old
+    assert Old is SubspaceCodec is pipeline.SubspaceCodec
+    assert not set(factor.__all__) & {"SubspaceCodec", "SubspaceBasis"}  # a star import does not warn
+    with pytest.raises(AttributeError, match="has no attribute 'Nope'"):
+        factor.Nope  # noqa: B018
+
+
+def test_the_gossip_codecs_never_import_the_pipeline():
+    import ast
+
+    root = Path(__file__).resolve().parents[1] / "fgdiloco" / "factor"
+    for path in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [("." * node.level) + (node.module or "")] if isinstance(node, ast.ImportFrom) else [])
+            assert not [n for n in names if "pipeline" in n], f"{path.name} imports {names}"
+    code = ("import sys, warnings; import fgdiloco.factor as f; assert 'fgdiloco.pipeline' not in sys.modules; "
+            "warnings.simplefilter('ignore'); f.SubspaceCodec; assert 'fgdiloco.pipeline.subspace' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -6,7 +6,7 @@ learned position embeddings, the token embedding tied to the output head, and GP
 
 ``GPT(config, subspace_rank=k)`` is the same network reparametrised after Ramasinghe et al., "Subspace Networks"
 (arXiv 2506.01260) so that its residual stream stays in ``E_fix[tokens] + span(U)`` exactly and can cross a
-pipeline-stage boundary as k numbers per token (:mod:`fgdiloco.factor.subspace`); see :class:`GPT`.
+pipeline-stage boundary as k numbers per token (:mod:`fgdiloco.pipeline.subspace`); see :class:`GPT`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..factor.subspace import (
+from ..pipeline.subspace import (
     Residual,
     SubspaceActivationCodec,
     SubspaceBasis,
@@ -275,7 +275,7 @@ class GPT(nn.Module):
     def subspace_residual(self, idx: torch.Tensor) -> list[tuple[str, Residual]]:
         """Run ``idx`` (``[B, T]``) forward without gradients and measure the residual stream's component outside
         ``E_fix[idx] + span(U)`` at every block boundary: ``[("embedding", r), ("block 0", r), ...]`` (the input
-        of block 0, then the output of each block), each a :class:`~fgdiloco.factor.subspace.Residual`.
+        of block 0, then the output of each block), each a :class:`~fgdiloco.pipeline.subspace.Residual`.
 
         Raises:
             RuntimeError: the model was built without ``subspace_rank``.
@@ -283,7 +283,7 @@ class GPT(nn.Module):
         return _subspace_residual(self, idx)
 
     def check_subspace(self, idx: torch.Tensor, tol: float | None = None) -> list[tuple[str, Residual]]:
-        """:meth:`subspace_residual`, raising :class:`~fgdiloco.factor.subspace.SubspaceError` naming the first
+        """:meth:`subspace_residual`, raising :class:`~fgdiloco.pipeline.subspace.SubspaceError` naming the first
         boundary whose out-of-subspace component exceeds ``tol`` (default: float rounding of the stream's dtype),
         e.g. after a user replaced a projection with a module that writes outside ``span(U)``."""
         return _check_subspace(self, idx, tol)
@@ -554,7 +554,7 @@ class GPTStage(nn.Module):
                 self.wte.weight = self.lm_head.weight  # one stage: the tie is kept
 
     def subspace_codec(self, *, check: bool = True, tol: float | None = None) -> SubspaceCodec:
-        """The :class:`~fgdiloco.factor.subspace.SubspaceCodec` over this stage's ``U`` / ``E_fix`` (not copied).
+        """The :class:`~fgdiloco.pipeline.subspace.SubspaceCodec` over this stage's ``U`` / ``E_fix`` (not copied).
 
         Raises:
             RuntimeError: the stage is of a model built without ``subspace_rank``.
@@ -587,11 +587,11 @@ class GPTStage(nn.Module):
 def activation_codec_for(model: GPT | GPTStage, *, check: bool = True, tol: float | None = None
                          ) -> SubspaceActivationCodec | None:
     """The :class:`~fgdiloco.pipeline.Pipeline` ``activation_codec`` for a :class:`GPT` or one of its
-    :class:`GPTStage` s: a :class:`~fgdiloco.factor.subspace.SubspaceActivationCodec` over its ``U`` / ``E_fix``
+    :class:`GPTStage` s: a :class:`~fgdiloco.pipeline.subspace.SubspaceActivationCodec` over its ``U`` / ``E_fix``
     for a subspace model (``c``, ``[B, T, k]``, crosses each boundary forward, ``∂L/∂c`` backward; every stage
     reads the token ids itself), ``None`` for a plain model (the stream ``[B, T, n_embd]`` travels as it is).
     ``check`` / ``tol``: the out-of-subspace check at each sending boundary (see
-    :class:`~fgdiloco.factor.subspace.SubspaceCodec`). Use it on every stage of the pipeline, e.g.
+    :class:`~fgdiloco.pipeline.subspace.SubspaceCodec`). Use it on every stage of the pipeline, e.g.
     ``Pipeline(stage, mesh, lm_loss, m, activation_codec=activation_codec_for(stage))``.
 
     Raises:

@@ -1,10 +1,10 @@
 """Subspace compression of the activations between pipeline stages (Subspace Networks).
 
 After Ramasinghe et al., "Subspace Networks: Scaling Decentralized Training with Communication-Efficient Model
-Parallelism", arXiv 2506.01260 (DESIGN §4). In a pre-norm transformer every write into the residual stream goes
-through the token and position embeddings and each block's attention and MLP output projections. If all of them
-write only into ``span(U)`` for one fixed, seeded, orthonormal ``d × k`` basis ``U`` shared by every stage, plus a
-frozen seeded token embedding ``E_fix`` that carries the token-specific part, then at every stage boundary::
+Parallelism", arXiv 2506.01260. In a pre-norm transformer every write into the residual stream goes through the
+token and position embeddings and each block's attention and MLP output projections. If all of them write only into
+``span(U)`` for one fixed, seeded, orthonormal ``d × k`` basis ``U`` shared by every stage, plus a frozen seeded
+token embedding ``E_fix`` that carries the token-specific part, then at every stage boundary::
 
     x = E_fix[tokens] + U c          x: [..., d] residual stream,  c: [..., k] coefficients
 
@@ -40,6 +40,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .codec import shape_inference
 
 __all__ = [
     "BoundaryIn",
@@ -604,8 +606,6 @@ class SubspaceActivationCodec:
     def encode(self, x: torch.Tensor, inputs: object = None) -> torch.Tensor:
         """Sending stage: ``c = Uᵀ (x − E_fix[tokens])``, ``[b, T, k]`` (differentiable; see
         :meth:`SubspaceCodec.boundary_out`). Raises :class:`SubspaceError` as described in the class docstring."""
-        from ..pipeline.codec import shape_inference
-
         tokens = _tokens_of(inputs)
         if self.codec.check and shape_inference():
             return _BoundaryOut.apply(x, *self._u_e(x, tokens))
