@@ -31,7 +31,7 @@ from fgdiloco.pipeline.subspace import (
     orthonormal_basis,
     orthonormalize,
 )
-from fgdiloco.pretrain.model import GPT, GPTConfig
+from fgdiloco.pretrain.model import GPT, GPTConfig, SubspaceLinear, stage_layers
 from tests.distributed import run_ranks
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -556,6 +556,131 @@ def test_benchmark_two_stage_step_matches_the_unsplit_model_and_counts_what_cros
     assert fwd == bwd == idx.numel() * per_token * 4
     for n, p in m.named_parameters():
         torch.testing.assert_close(p.grad, want[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+# ------------------------------------------------------------------------------------------------ only what crosses
+CFG6 = GPTConfig(vocab_size=64, block_size=16, n_layer=6, n_head=2, n_embd=32)
+
+
+def _chain(stages, idx, tgt, codec=None):
+    """The stages run one after the other as a pipeline would, the stream sent as it is (``codec=None``) or as
+    c through the codec's boundary pair; returns the loss and each stage's parameter gradients."""
+    x, sent = idx, []
+    for s, stage in enumerate(stages):
+        if s > 0:  # the wire: what the previous stage sent arrives as a new leaf
+            received = sent[-1].detach().requires_grad_()
+            x = received if codec is None else codec.boundary_in(received, idx)
+            sent[-1] = (sent[-1], received)
+        x = stage(x)
+        if s < len(stages) - 1:
+            sent.append(x if codec is None else codec.boundary_out(x, idx))
+            x = None
+    loss = nn.functional.cross_entropy(x.reshape(-1, x.size(-1)), tgt.reshape(-1))
+    loss.backward()
+    for out, received in reversed(sent):  # every stage's backward from the gradient that came back
+        out.backward(received.grad)
+    grads = [{n: p.grad.clone() for n, p in stage.named_parameters()} for stage in stages]
+    for stage in stages:
+        stage.zero_grad(set_to_none=True)
+    return loss.detach(), grads, [received.grad.shape for _, received in sent]
+
+
+@pytest.mark.parametrize(("cfg", "S", "k"), [(CFG, 2, 4), (CFG, 4, 8), (CFG6, 3, 4), (CFG6, 2, 1)])
+def test_only_the_writes_that_cross_a_boundary_are_constrained(cfg, S, k):
+    """``subspace_stages=S``: the embeddings and every block before the last stage of ``split(S)`` write through
+    U, the last stage's blocks are plain (their writes leave span(U)); every boundary of the split stays lossless:
+    sending c instead of x changes neither the loss nor any gradient."""
+    torch.manual_seed(0)
+    model = _perturb(GPT(cfg, subspace_rank=k, subspace_stages=S), scale=0.1)
+    last = model.split(S)[-1].layers
+    assert model.subspace_layers == range(last.start) and model.subspace_stages == S
+    for i, block in enumerate(model.transformer.h):
+        for proj in (block.attn.c_proj, block.mlp.c_proj):
+            assert type(proj) is (SubspaceLinear if i < last.start else nn.Linear), (i, proj)
+    idx, tgt = _batch(cfg)
+    # train a few steps: the free blocks move in all d directions, the constrained ones only inside span(U)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for _ in range(3):
+        model(idx, tgt)[1].backward()
+        opt.step()
+        opt.zero_grad()
+    found = dict(model.subspace_residual(idx))
+    assert list(found) == ["embedding"] + [f"block {i}" if i < last.start else f"block {i} (free)"
+                                           for i in range(cfg.n_layer)]
+    assert max(r.max_relative for w, r in found.items() if "free" not in w) < 2e-5
+    assert min(r.max_relative for w, r in found.items() if "free" in w) > 1e-2  # left the subspace
+    model.check_subspace(idx)  # checks only the constrained boundaries: passes
+    # the writes of a free block themselves (not only the stream) have a component outside span(U)
+    U = model.transformer.wte.U
+    free = model.transformer.h[last.start]
+    with torch.no_grad():
+        stream = model.transformer.wte(idx) + model.transformer.wpe(torch.arange(cfg.block_size))
+        for block in model.transformer.h[:last.start]:
+            stream = block(stream)
+        write = free(stream) - stream
+    assert float((write - write @ U @ U.T).norm() / write.norm()) > 0.5
+    # every boundary of split(S): c reconstructs the stream exactly, and the compressed chain is the plain chain
+    stages = model.split(S)
+    codec = stages[0].subspace_codec()
+    h = idx
+    for stage in stages[:-1]:
+        h = stage(h)
+        torch.testing.assert_close(codec.decompress(*codec.compress(h, idx)), h, rtol=0, atol=1e-5)
+    want_loss, want, _ = _chain(stages, idx, tgt)
+    got_loss, got, shapes = _chain(stages, idx, tgt, codec)
+    assert shapes == [torch.Size([idx.shape[0], cfg.block_size, k])] * (S - 1)  # k numbers per token go back
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-6, atol=0)
+    for s in range(S):
+        for name in want[s]:
+            torch.testing.assert_close(got[s][name], want[s][name], rtol=1e-4, atol=1e-6, msg=f"stage {s} {name}")
+
+
+def test_a_model_built_for_s_stages_refuses_a_split_past_its_constrained_blocks():
+    torch.manual_seed(0)
+    model = GPT(CFG, subspace_rank=8, subspace_stages=2)  # blocks 0, 1 constrained; 2, 3 free
+    with pytest.raises(ValueError, match=r"split\(3\) cuts the stream after block 2, but this model "
+                                         r"\(subspace_stages=2\) constrains only blocks 0\.\.1.*subspace_stages=3"):
+        model.split(3)
+    assert len(model.split(1)) == 1 and len(model.split(2)) == 2
+    six = GPT(CFG6, subspace_rank=8, subspace_stages=3)  # stages [0,2) [2,4) [4,6): blocks 0..3 constrained
+    assert six.subspace_layers == range(4)
+    assert [s.layers for s in six.split(2)] == [range(0, 3), range(3, 6)]  # cut after block 2: inside
+    with pytest.raises(ValueError, match="cuts the stream after block 4"):
+        six.split(6)
+    assert all(len(GPT(CFG, subspace_rank=8).split(S)) == S for S in (1, 2, 3, 4))  # None: any split
+    assert stage_layers(4, 2) == [range(0, 2), range(2, 4)] and stage_layers(5, 3) == [range(0, 2), range(2, 4),
+                                                                                       range(4, 5)]
+
+
+@pytest.mark.parametrize(("value", "exc", "match"), [
+    (1, ValueError, r"subspace_stages must be None or an int in \[2, n_layer=4\].*got 1; one stage has no "
+                    r"boundary"),
+    (5, ValueError, r"subspace_stages must be None or an int in \[2, n_layer=4\]"),
+    (2.0, TypeError, "subspace_stages must be None or an int"),
+    (True, TypeError, "subspace_stages must be None or an int"),
+])
+def test_bad_subspace_stages_raise_before_anything(value, exc, match):
+    rng = torch.get_rng_state()
+    with pytest.raises(exc, match=match):
+        GPT(CFG, subspace_rank=4, subspace_stages=value)
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_free_blocks_count_and_load_as_the_plain_model():
+    torch.manual_seed(0)
+    plain = _perturb(GPT(CFG))
+    m = GPT(CFG, subspace_rank=8, subspace_stages=2)
+    d, k, v, t = 32, 8, 64, 16
+    n_plain = sum(p.numel() for p in plain.parameters())
+    # only the embeddings and the two constrained blocks train k instead of d numbers per residual write
+    assert sum(p.numel() for p in m.parameters()) == n_plain - (d - k) * (v + t + 2 * (d + 1 + 4 * d + 1))
+    assert GPT(CFG, subspace_stages=2).subspace_layers == range(0)  # ignored without subspace_rank
+    full = GPT(CFG, subspace_rank=d, subspace_stages=2)
+    full.load_plain(plain)  # k = d: exact, the free blocks copied as they are
+    idx, _ = _batch()
+    with torch.no_grad():
+        torch.testing.assert_close(full(idx)[0], plain(idx)[0], rtol=0, atol=2e-5)
+    torch.testing.assert_close(full.transformer.h[3].mlp.c_proj.weight, plain.transformer.h[3].mlp.c_proj.weight)
 
 
 # ------------------------------------------------------------------------------------------------ where it lives

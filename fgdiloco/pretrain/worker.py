@@ -452,7 +452,8 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
 
     torch.manual_seed(cfg.seed)
     model = GPT(GPTConfig(vocab_size=vocab, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                          n_embd=cfg.n_embd, dropout=cfg.dropout), subspace_rank=cfg.subspace_rank)
+                          n_embd=cfg.n_embd, dropout=cfg.dropout), subspace_rank=cfg.subspace_rank,
+                subspace_stages=cfg.stages if cfg.stages > 1 else None)  # only what crosses a boundary: in U
     n_params = model.num_parameters(non_embedding=False)
     if mesh is not None:  # every rank builds the same seeded model and keeps its own stage
         from ..pipeline import Pipeline
