@@ -539,23 +539,26 @@ def test_fgdiloco_synchronises_parameters_only_and_leaves_the_basis_alone(tmp_pa
 
 
 @pytest.mark.parametrize("k", [None, 8])
-def test_benchmark_two_stage_step_matches_the_unsplit_model_and_counts_what_crosses(k):
-    from benchmarks.subspace import two_stage_step
+def test_benchmark_two_stage_step_matches_the_chained_stages_and_counts_what_crosses(k):
+    from benchmarks.subspace import held_out_loss, two_stage_step
 
     torch.manual_seed(0)
-    m = _perturb(GPT(CFG, subspace_rank=k))
+    stages = _perturb(GPT(CFG, subspace_rank=k, subspace_stages=None if k is None else 2)).split(2)
     idx, tgt = _batch()
-    loss = m(idx, tgt)[1]
-    loss.backward()
-    want = {n: p.grad.clone() for n, p in m.named_parameters()}
-    m.zero_grad()
-    codec = None if k is None else m.subspace_codec()
-    got, fwd, bwd = two_stage_step(m, idx, tgt, codec, cut=2)
-    assert got == pytest.approx(float(loss.detach()), rel=1e-6)
+    want_loss = nn.functional.cross_entropy(stages[1](stages[0](idx)).reshape(-1, CFG.vocab_size), tgt.reshape(-1))
+    want_loss.backward()
+    want = [{n: p.grad.clone() for n, p in s.named_parameters()} for s in stages]
+    for s in stages:
+        s.zero_grad()
+    codec = None if k is None else stages[0].subspace_codec()
+    got, fwd, bwd = two_stage_step(stages, idx, tgt, codec)
+    assert got == pytest.approx(float(want_loss.detach()), rel=1e-6)
     per_token = CFG.n_embd if k is None else k
     assert fwd == bwd == idx.numel() * per_token * 4
-    for n, p in m.named_parameters():
-        torch.testing.assert_close(p.grad, want[n], rtol=1e-4, atol=1e-6, msg=n)
+    for s, w in zip(stages, want):
+        for n, p in s.named_parameters():
+            torch.testing.assert_close(p.grad, w[n], rtol=1e-4, atol=1e-6, msg=n)
+    assert held_out_loss(stages, codec, [(idx, tgt)]) == pytest.approx(float(want_loss.detach()), rel=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------ only what crosses
