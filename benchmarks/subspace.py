@@ -1,46 +1,68 @@
-"""Subspace compression of stage-boundary activations: bytes on the wire and the loss the constraint costs.
+"""Subspace compression of stage-boundary activations: what it saves (bytes) and what it costs (loss), with seeds.
 
-Run from the repository root::
+Run from the repository root (one thread per process; on a shared machine under ``nice``)::
 
-    python -m benchmarks.subspace                  # the real 2 replicas x 2 stages on 4 Gloo ranks (below)
-    python -m benchmarks.subspace --steps 40       # smoke run
-    python -m benchmarks.subspace --simulated      # single process, two simulated stages, 2 seeds (the first
-                                                   # version of this benchmark; 29 minutes here)
+    python -m benchmarks.subspace --jobs 2               # the measurement below (62 min on 2 shared cores)
+    python -m benchmarks.subspace --steps 40 --seeds 0   # smoke run
+    python -m benchmarks.subspace --pipeline             # the earlier real 2 x 2 Gloo run (width 128, 1 seed)
 
-**Default: 2 replicas × 2 stages** (``--out benchmarks/results/subspace_pipeline.json``). The example GPT on the
-bundled text (``benchmarks.pipeline``'s set-up: 4 layers, d = 128, BPE vocabulary 1024, context 64) on 4 real Gloo
-ranks (fork + TCPStore): each rank builds its stage with :func:`fgdiloco.pretrain.model.build_stage`, runs it in a
-:class:`fgdiloco.pipeline.Pipeline` (1F1B, 4 microbatches) with
-:func:`~fgdiloco.pretrain.model.activation_codec_for` as the activation codec, and FG-DiLoCo (``mesh=...``, random
-topology, default codecs, H = 20) gossips each stage with the other replica's. Unconstrained (``GPT(config)``, the
-stream x travels) and k ∈ {d/4, d/8, d/16} (``subspace_rank=k``, c travels; the last stage's untied head dense,
-``GPT.split``'s default; and k = d/8 once more with the head constrained like the tied one, ``--subspace-head``) see
-the same batches in the same order, the same steps, so the same tokens. The bytes are those the pipeline measured on
-the wire (``PipelineStats``: forward activations sent by stage 0, gradients sent back by stage 1, per step and
-replica), against the uncompressed boundary in fp32 and bf16; the token ids never travel (every stage reads the
-batch). Held-out loss: through the pipeline, fixed held-out batches, mean over the replicas, at the end. Wall time
-per step: median over steps (the first, with the schedule's shape inference, left out) of pipeline step + optimiser
-step, the slower stage; the machine is shared, so only the bytes and losses are clean.
+**Set-up (default).** :data:`WIDE`: the example GPT made wider, so that 32x and 64x compression leave a usable rank
+(d = 256: k = 8 at d/32, k = 4 at d/64; the width-128 example would have k = 4 at 32x): 4 pre-norm blocks, width
+256, 4 heads, context 64, the bundled corpus with a 1024-token BPE (about 0.82 M training tokens, 43 k held out),
+3.7 M parameters (the untied head included). Each variant is ``GPT(config, subspace_rank=k,
+subspace_stages=2).split(2)`` (:mod:`fgdiloco.pretrain.model`; Ramasinghe et al., "Subspace Networks", arXiv
+2506.01260): stage 0 holds the embeddings and blocks 0-1, which write through the d × k basis ``U``; stage 1 holds
+blocks 2-3 (plain: nothing they write crosses a boundary) and the untied dense head. The unconstrained model is
+``GPT(config).split(2)``, so both have the same untied head and differ only in the constraint. Both stages run in
+**one process, as two simulated stages** (:func:`two_stage_step`): stage 0's output crosses a simulated wire as
+``x`` (d numbers per token, unconstrained) or as ``c = Uᵀ(x − E_fix[tokens])`` (k per token) through
+:meth:`~fgdiloco.pipeline.subspace.SubspaceCodec.boundary_out` / ``boundary_in``; backward, ``∂L/∂x`` or ``∂L/∂c``
+comes back. This is the computation :class:`fgdiloco.pipeline.Pipeline` runs with
+:func:`~fgdiloco.pretrain.model.activation_codec_for` (tested equal in ``tests/test_pipeline_subspace.py``), without
+the processes.
 
-**``--simulated``** (``--out benchmarks/results/subspace.json``): the example GPT (``fgdiloco pretrain``'s
-architecture: 4 pre-norm blocks, d = 128, 4 heads, the bundled corpus with its 2048-token BPE) is trained once
-unconstrained and once per subspace rank k (``GPT(config, subspace_rank=k)``, Ramasinghe et al., "Subspace
-Networks", arXiv 2506.01260) with the same seed, the same batches in the same order, the same number of steps (so
-the same tokens) and ``fgdiloco pretrain``'s inner optimiser (AdamW, warm-up then cosine, clipping). Single process,
-as two simulated pipeline stages: blocks ``[0, L/2)``, then the boundary, then blocks ``[L/2, L)`` and the head. The
-unconstrained model sends ``x`` (d numbers per token) across the boundary, the subspace model sends ``c = Uᵀ(x −
-E_fix[tokens])`` (k numbers per token) through :meth:`~fgdiloco.factor.SubspaceCodec.boundary_out` /
-``boundary_in``; backward, ``∂L/∂x`` (d per token) or ``∂L/∂c`` (k per token) comes back. The bytes reported are
-those of the tensors that actually cross, per optimiser step and boundary, fp32, against the uncompressed boundary
-in fp32 and in bf16; token ids do not travel (every stage reads the batch; with int32 ids sent along, add 4 bytes
-per token forward: the ``ratio_fp32_with_ids`` column).
+Training: ``fgdiloco pretrain``'s inner recipe (:mod:`fgdiloco.pretrain.recipe`: AdamW (0.9, 0.95), weight decay
+0.1 on matrices, linear warm-up over 50 steps then cosine decay to 0.1 of lr 2e-3, gradient clipping at 1.0),
+batches of 16 × 64 tokens; ``--steps`` (1000) steps, so **equal tokens** for every variant (1.02 M, 1.25 passes
+over the training split). Seeds 0, 1, 2: the seed sets the initialisation, ``U`` / ``E_fix`` and the batch order;
+a seed's batches are the same for every variant. Why 1000 steps: with fewer, the unconstrained seeds disagree by
+more than 1 % (three seeds, each run to the end of its own schedule: 1.5 % apart at 600 steps, on 32 k random
+held-out tokens; 0.25 % at 1000; the mid-schedule points of the 1000-step runs spread 0.9-2.9 %). Held-out loss:
+mean next-token cross-entropy over the first 640 non-overlapping 64-token windows of the held-out split (40,960
+tokens, the same for every run), through the two stages and the codec.
 
-Reported per variant: held-out loss at equal tokens (mean over fixed validation batches, at the end and along the
-way; per seed and the mean over seeds), its ratio to the unconstrained run (of the means, and per seed: at this
-token budget the seed-to-seed spread is of the order of the effect, so look at both), bytes per step, the ratios,
-trainable parameters, wall time per step (on a shared machine: indicative only), the process's CPU time, and the
-largest out-of-subspace component of the residual stream at any block boundary at the end (float rounding only).
-Results go to ``benchmarks/results/subspace.json``; benchmarks/RESULTS.md quotes both tables.
+Bytes: those of the tensors that actually cross the boundary per optimiser step (fp32), forward and backward; the
+token ids do not travel (every stage reads the batch). **Equal wall time over a 100 Mbit/s link** is a model, not
+a measurement: a step takes ``compute + (forward + backward bytes) / link`` seconds, where ``compute`` is the
+process CPU time of the step measured here (forward, backward and optimiser of both stages, one thread:
+insensitive to other jobs' load, unlike wall time) and the link carries both directions one after the other at
+``--link-mbit`` (100). Both stages' compute is counted in series (no pipeline overlap), which understates what
+compression gains. For each divisor in ``--equal-time`` (8, 32) the unconstrained model is trained again, with its
+own schedule, for the steps that fit into the subspace run's modelled time (``N · t_k / t_dense``), and the two
+held-out losses are compared at that equal time.
+
+Results go to ``benchmarks/results/subspace.json`` (``--out``); keys:
+
+* ``command``, ``config`` (model, data, schedule, steps, seeds, stages, ``boundary_after_block``, evaluation,
+  ``link_mbit_s``), ``unigram_loss`` (context-free baseline), ``seconds_total`` (wall) / ``cpu_seconds_total``
+  (all processes) of this run, ``jobs`` (``--jobs``: runs at once, in forked processes), ``load_average`` (at the
+  end), ``note``.
+* ``variants``: one per model, ``k`` (None: unconstrained), ``label``, ``compression`` (d / k), ``steps``,
+  ``tokens``; ``held_out_losses`` (per seed) and their ``held_out_loss_mean`` / ``_std`` (sample std) / ``_min`` /
+  ``_max``, ``spread`` ((max − min) / mean over seeds); ``loss_ratio`` (mean / unconstrained mean),
+  ``loss_ratio_per_seed`` (paired by seed); ``bytes_forward_per_step`` / ``bytes_backward_per_step`` /
+  ``bytes_per_step``, ``ratio_fp32`` (the unconstrained boundary's bytes / these, both directions);
+  ``compute_seconds_per_step`` (median over steps and seeds), ``link_seconds_per_step``,
+  ``modelled_seconds_per_step`` and ``modelled_seconds`` (the whole run); ``trainable_parameters``;
+  ``max_out_of_subspace`` (largest out-of-subspace component of stage 0's output, relative, at the end: float
+  rounding only); ``curves`` (per seed: ``step``, ``tokens``, ``train_loss``, ``held_out_loss``).
+* ``equal_wall_time``: per divisor in ``--equal-time``, ``k``, ``label``, ``modelled_seconds`` (the subspace
+  run's), ``subspace_steps``, ``subspace_held_out_losses`` and their mean, ``unconstrained_steps`` (that fit in
+  the same modelled time), ``unconstrained_held_out_losses`` and their mean / min / max, ``subspace_lower``.
+* ``targets``: what issue 20 asked for, each ``name``, ``value``, ``target``, ``met``.
+
+``--pipeline`` keeps the earlier real run (2 replicas x 2 stages on 4 Gloo ranks, FG-DiLoCo, width 128, one
+seed; ``benchmarks/results/subspace_pipeline.json``), now with the stages built for their split.
 """
 
 from __future__ import annotations
@@ -57,87 +79,256 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from fgdiloco.pretrain.config import TrainConfig
-from fgdiloco.pretrain.data import (
-    build_tokenizer,
-    cache_dir_for,
-    encode_corpus,
-    load_text,
-    sample_batch,
-    split_tokens,
-    unigram_loss,
-)
-from fgdiloco.pretrain.model import GPT, GPTConfig, two_stage_step
+from fgdiloco.pretrain.data import sample_batch, unigram_loss
+from fgdiloco.pretrain.model import GPT, GPTConfig, two_stage_loss, two_stage_step
 from fgdiloco.pretrain.recipe import clip_gradients, inner_optimizer, next_batch
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
-
-@torch.no_grad()
-def held_out_loss(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    model.eval()
-    loss = sum(float(model(x, y)[1]) for x, y in batches) / len(batches)
-    model.train()
-    return loss
+# The wider example configuration: width 256 keeps k = 8 at 32x and k = 4 at 64x compression; CPU-sized (3.7 M
+# parameters with the 1024-token BPE and the untied head, about 0.25 s per step of 16 x 64 tokens on one core).
+WIDE = {"n_layer": 4, "n_head": 4, "n_embd": 256, "block_size": 64, "vocab": 1024}
+STAGES = 2
 
 
-def run_variant(k: int | None, cfg: TrainConfig, data: dict, eval_every: int) -> dict:
+def held_out_windows(val: torch.Tensor, block: int, windows: int, per_batch: int = 64
+                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The first ``windows`` non-overlapping ``block``-token windows of ``val`` (and their next-token targets), in
+    batches of ``per_batch``: the same held-out tokens for every run."""
+    windows = min(windows, (val.numel() - 1) // block)
+    x = val[: windows * block].view(windows, block).long()
+    y = val[1: windows * block + 1].view(windows, block).long()
+    return [(x[i:i + per_batch], y[i:i + per_batch]) for i in range(0, windows, per_batch)]
+
+
+def label_of(k: int | None, d: int) -> str:
+    return "unconstrained" if k is None else f"k=d/{d // k}" if d % k == 0 else f"k={k}"
+
+
+def train_run(k: int | None, seed: int, cfg: TrainConfig, data: dict, evals: int) -> dict:
+    """One run of ``cfg.steps`` steps: the variant ``k`` (None: unconstrained) with ``seed``."""
     gcfg = GPTConfig(data["vocab_size"], cfg.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.dropout)
-    torch.manual_seed(cfg.seed)
-    model = GPT(gcfg, subspace_rank=k, subspace_seed=cfg.seed)
-    codec = None if k is None else model.subspace_codec(check=False)  # checked at the end, see below
-    opt = inner_optimizer(model, cfg)
-    g = torch.Generator().manual_seed(cfg.seed)  # the same batches, in the same order, for every variant
-    curve, fwd, bwd, seconds = [], [], [], []
+    torch.manual_seed(seed)
+    model = GPT(gcfg, subspace_rank=k, subspace_seed=seed, subspace_stages=None if k is None else STAGES)
+    stages = model.split(STAGES)
+    del model
+    codec = None if k is None else stages[0].subspace_codec(check=False)  # measured at the end, see below
+    holder = nn.ModuleList(stages)
+    opt = inner_optimizer(holder, cfg)
+    g = torch.Generator().manual_seed(seed)  # a seed's batches, in the same order for every variant
+    every = max(cfg.steps // evals, 1)
+    curve, cpu, fwd, bwd = [], [], 0, 0
     for step in range(cfg.steps):
         x, y = next_batch(opt, cfg, step, data["train"], g)
-        t0 = time.perf_counter()
-        loss, f, b = two_stage_step(model, x, y, codec, cfg.n_layer // 2)
-        clip_gradients(model.parameters(), cfg)
+        c0 = time.process_time()
+        loss, fwd, bwd = two_stage_step(stages, x, y, codec)
+        clip_gradients(holder.parameters(), cfg)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        seconds.append(time.perf_counter() - t0)
-        fwd.append(f)
-        bwd.append(b)
-        if (step + 1) % eval_every == 0 or step + 1 == cfg.steps:
+        cpu.append(time.process_time() - c0)
+        if (step + 1) % every == 0 or step + 1 == cfg.steps:
             curve.append({"step": step + 1, "tokens": (step + 1) * cfg.batch_size * cfg.block_size,
-                          "train_loss": loss, "held_out_loss": held_out_loss(model, data["val_batches"])})
-            print(f"  k={k}: step {step + 1}/{cfg.steps} train {loss:.4f} held-out {curve[-1]['held_out_loss']:.4f}"
-                  f" ({statistics_ms(seconds):.0f} ms/step)", flush=True)
+                          "train_loss": loss, "held_out_loss": two_stage_loss(stages, codec, data["held_out"])})
+            print(f"  {label_of(k, cfg.n_embd)} seed {seed}: step {step + 1}/{cfg.steps} train {loss:.4f} "
+                  f"held-out {curve[-1]['held_out_loss']:.4f} ({1000 * statistics.median(cpu):.0f} ms CPU/step)",
+                  flush=True)
     worst = None
-    if k is not None:  # the reparametrisation keeps the stream in the subspace: measure it on validation data
-        found = model.check_subspace(data["val_batches"][0][0])
-        worst = max(r.max_relative for _, r in found)
+    if codec is not None:  # stage 0's output is in the subspace (float rounding): the boundary lost nothing
+        idx = data["held_out"][0][0]
+        with torch.no_grad():
+            worst = codec.residual(stages[0](idx), idx).max_relative
+    return {"held_out_loss": curve[-1]["held_out_loss"], "curve": curve, "cpu": cpu[len(cpu) // 10:] or cpu,
+            "bytes_forward": fwd, "bytes_backward": bwd, "max_out_of_subspace": worst,
+            "trainable_parameters": sum(p.numel() for p in holder.parameters())}
+
+
+_DATA: dict = {}  # the data of the parent, inherited by the forked job processes
+_CHILD_CPU = [0.0]  # CPU seconds of the runs done in job processes
+
+
+def _job(job: tuple[int | None, int, TrainConfig], evals: int) -> dict:
+    k, seed, cfg = job
+    torch.set_num_threads(1)
+    c0 = time.process_time()
+    print(f"training {label_of(k, cfg.n_embd)}, seed {seed}, {cfg.steps} steps ...", flush=True)
+    out = train_run(k, seed, cfg, _DATA, evals)
+    out["process_cpu"] = time.process_time() - c0
+    return out
+
+
+def _run_all(jobs: list[tuple[int | None, int, TrainConfig]], data: dict, evals: int, workers: int) -> list[dict]:
+    """The results of every ``(k, seed, cfg)`` of ``jobs``, in order (independent, seeded runs: the result does not
+    depend on where or in which order they run), in ``workers`` forked processes (1: here)."""
+    _DATA.update(data)
+    if workers <= 1:
+        return [_job(job, evals) for job in jobs]
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        out = [f.result() for f in [pool.submit(_job, job, evals) for job in jobs]]
+    _CHILD_CPU[0] += sum(r["process_cpu"] for r in out)
+    return out
+
+
+def _stats(values: list[float]) -> dict:
+    mean = statistics.fmean(values)
+    return {"mean": mean, "std": statistics.stdev(values) if len(values) > 1 else 0.0, "min": min(values),
+            "max": max(values), "spread": (max(values) - min(values)) / mean}
+
+
+def summarise_variant(k: int | None, runs: list[dict], cfg: TrainConfig, link_bytes_per_s: float) -> dict:
+    losses = [r["held_out_loss"] for r in runs]
+    s = _stats(losses)
+    fwd, bwd = runs[0]["bytes_forward"], runs[0]["bytes_backward"]  # static shapes: the same every step and seed
+    compute = statistics.median([c for r in runs for c in r["cpu"]])
+    link = (fwd + bwd) / link_bytes_per_s
+    worst = [r["max_out_of_subspace"] for r in runs if r["max_out_of_subspace"] is not None]
     d = cfg.n_embd
-    tokens_step = cfg.batch_size * cfg.block_size
-    dense_fp32 = 2 * tokens_step * d * 4
-    sent = fwd[-1] + bwd[-1]
     return {
-        "k": k, "label": "unconstrained" if k is None else f"k=d/{d // k}" if d % k == 0 else f"k={k}",
-        "steps": cfg.steps, "tokens": cfg.steps * tokens_step, "held_out_loss": curve[-1]["held_out_loss"],
-        "curve": curve, "trainable_parameters": sum(p.numel() for p in model.parameters()),
-        "bytes_forward_per_step": fwd[-1], "bytes_backward_per_step": bwd[-1], "bytes_per_step": sent,
-        "ratio_fp32": dense_fp32 / sent, "ratio_bf16": dense_fp32 / 2 / sent,
-        "ratio_fp32_with_ids": dense_fp32 / (sent + (4 * tokens_step if k is not None else 0)),
-        "ms_per_step": statistics_ms(seconds), "max_out_of_subspace": worst,
+        "k": k, "label": label_of(k, d), "compression": 1.0 if k is None else d / k, "steps": cfg.steps,
+        "tokens": cfg.steps * cfg.batch_size * cfg.block_size, "held_out_losses": losses,
+        "held_out_loss_mean": s["mean"], "held_out_loss_std": s["std"], "held_out_loss_min": s["min"],
+        "held_out_loss_max": s["max"], "spread": s["spread"],
+        "bytes_forward_per_step": fwd, "bytes_backward_per_step": bwd, "bytes_per_step": fwd + bwd,
+        "compute_seconds_per_step": compute, "link_seconds_per_step": link,
+        "modelled_seconds_per_step": compute + link, "modelled_seconds": cfg.steps * (compute + link),
+        "trainable_parameters": runs[0]["trainable_parameters"],
+        "max_out_of_subspace": max(worst) if worst else None, "curves": [r["curve"] for r in runs],
     }
 
 
-def statistics_ms(seconds: list[float]) -> float:
-    tail = sorted(seconds[len(seconds) // 5:] or seconds)  # skip warm-up, median of the rest
-    return 1000 * tail[len(tail) // 2]
+def load_data(vocab: int, block: int, windows: int) -> dict:
+    from benchmarks.pipeline import _data
+
+    train, val, vocab_size = _data(vocab)
+    return {"train": train, "val": val, "vocab_size": vocab_size, "held_out": held_out_windows(val, block, windows),
+            "unigram": unigram_loss(train, val, vocab_size)}
 
 
-def load_data(cfg: TrainConfig, eval_batches: int) -> dict:
-    text = load_text(cfg.data)
-    cache = cache_dir_for(cfg.data, cfg.cache_dir)
-    tok = build_tokenizer(text, cfg.tokenizer, cfg.vocab_size, cache_dir=cache)
-    train, val = split_tokens(encode_corpus(text, tok, cache_dir=cache), cfg.val_fraction)
-    g = torch.Generator().manual_seed(10_000 + cfg.seed)
-    val_batches = [sample_batch(val, cfg.batch_size, cfg.block_size, g) for _ in range(eval_batches)]
-    return {"train": train, "val": val, "vocab_size": tok.vocab_size, "val_batches": val_batches,
-            "unigram": unigram_loss(train, val, tok.vocab_size)}
+def _targets(variants: list[dict], equal: list[dict], d: int) -> list[dict]:
+    by = {v["k"]: v for v in variants}
+    ref = by[None]
+    out = [{"name": "unconstrained seeds agree within 1 %", "value": ref["spread"], "target": "< 0.01",
+            "met": ref["spread"] < 0.01}]
+
+    def gap(q: int) -> float | None:
+        v = by.get(d // q)
+        return None if v is None else v["loss_ratio"] - 1
+
+    for q, limit in ((32, 0.03), (64, 0.05)):
+        g = gap(q)
+        if g is not None:
+            out.append({"name": f"k=d/{q}: held-out loss within {limit:.0%} of unconstrained (mean of seeds)",
+                        "value": g, "target": f"<= {limit}", "met": g <= limit})
+    if d // 32 in by:
+        v = by[d // 32]
+        out.append({"name": "k=d/32: 32x fewer boundary bytes both ways",
+                    "value": [ref["bytes_forward_per_step"] / v["bytes_forward_per_step"],
+                              ref["bytes_backward_per_step"] / v["bytes_backward_per_step"]],
+                    "target": "[32, 32]", "met": v["bytes_forward_per_step"] * 32 == ref["bytes_forward_per_step"]
+                    and v["bytes_backward_per_step"] * 32 == ref["bytes_backward_per_step"]})
+    g = gap(8)
+    if g is not None:
+        out.append({"name": "k=d/8: gap below the unconstrained seed spread", "value": g,
+                    "target": f"< {ref['spread']:.4f}", "met": g < ref["spread"]})
+    for e in equal:
+        out.append({"name": f"{e['label']}: lower held-out loss than unconstrained at equal modelled wall time",
+                    "value": [e["subspace_held_out_loss_mean"], e["unconstrained_held_out_loss_mean"]],
+                    "target": "first < second", "met": e["subspace_lower"]})
+    return out
+
+
+def main_simulated(args: argparse.Namespace, argv: list[str] | None) -> dict:
+    base = TrainConfig()
+    cfg = replace(base, steps=args.steps, batch_size=args.batch_size, block_size=WIDE["block_size"],
+                  n_layer=WIDE["n_layer"], n_head=WIDE["n_head"], n_embd=args.width, lr=args.lr,
+                  warmup_steps=min(args.warmup_steps, max(args.steps // 10, 1)), min_lr_ratio=0.1,
+                  vocab_size=WIDE["vocab"]).validate()
+    data = load_data(WIDE["vocab"], cfg.block_size, args.held_out_windows)
+    d = cfg.n_embd
+    ranks: list[int | None] = [None] + [d // q for q in args.divisors]
+    link = args.link_mbit * 1e6 / 8
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    jobs = [(k, seed, replace(cfg, seed=seed)) for k in ranks for seed in args.seeds]
+    done = iter(_run_all(jobs, data, args.evals, args.jobs))
+    runs = {k: [next(done) for _ in args.seeds] for k in ranks}
+    variants = [summarise_variant(k, runs[k], cfg, link) for k in ranks]
+    ref = variants[0]
+    for v in variants:
+        v["loss_ratio"] = v["held_out_loss_mean"] / ref["held_out_loss_mean"]
+        v["loss_ratio_per_seed"] = [a / b for a, b in zip(v["held_out_losses"], ref["held_out_losses"])]
+        v["ratio_fp32"] = ref["bytes_per_step"] / v["bytes_per_step"]
+    # equal modelled wall time: the unconstrained model again, for the steps that fit in each subspace run's time
+    compared = [v for q in args.equal_time for v in variants if v["k"] == d // q]
+    plans = []
+    for v in compared:
+        steps = max(1, round(cfg.steps * v["modelled_seconds_per_step"] / ref["modelled_seconds_per_step"]))
+        plans.append((v, replace(cfg, steps=steps, warmup_steps=min(cfg.warmup_steps, max(steps // 10, 1)))))
+        print(f"equal time of {v['label']}: the unconstrained model for {steps} steps", flush=True)
+    done = iter(_run_all([(None, seed, replace(short, seed=seed)) for _, short in plans for seed in args.seeds],
+                         data, args.evals, args.jobs))
+    equal = []
+    for v, short in plans:
+        unc = [next(done) for _ in args.seeds]
+        s = _stats([r["held_out_loss"] for r in unc])
+        equal.append({"k": v["k"], "label": v["label"], "link_mbit_s": args.link_mbit,
+                      "modelled_seconds": v["modelled_seconds"], "subspace_steps": cfg.steps,
+                      "subspace_held_out_losses": v["held_out_losses"],
+                      "subspace_held_out_loss_mean": v["held_out_loss_mean"],
+                      "unconstrained_steps": short.steps,
+                      "unconstrained_modelled_seconds": short.steps * ref["modelled_seconds_per_step"],
+                      "unconstrained_held_out_losses": [r["held_out_loss"] for r in unc],
+                      "unconstrained_held_out_loss_mean": s["mean"], "unconstrained_held_out_loss_min": s["min"],
+                      "unconstrained_held_out_loss_max": s["max"],
+                      "subspace_lower": v["held_out_loss_mean"] < s["mean"],
+                      "unconstrained_curves": [r["curve"] for r in unc]})
+    out = {
+        "command": "python -m benchmarks.subspace " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "config": {"n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": d, "vocab_size": data["vocab_size"],
+                   "block_size": cfg.block_size, "batch_size": cfg.batch_size, "steps": cfg.steps, "lr": cfg.lr,
+                   "warmup_steps": cfg.warmup_steps, "min_lr_ratio": cfg.min_lr_ratio,
+                   "weight_decay": cfg.weight_decay, "grad_clip": cfg.grad_clip, "seeds": args.seeds,
+                   "stages": STAGES, "boundary_after_block": cfg.n_layer // STAGES - 1,
+                   "held_out_tokens": sum(y.numel() for _, y in data["held_out"]),
+                   "train_tokens": int(data["train"].numel()), "link_mbit_s": args.link_mbit, "threads": 1,
+                   "head": "untied, dense (GPT.split's default) for every variant"},
+        "unigram_loss": data["unigram"],
+        "seconds_total": time.perf_counter() - t0, "jobs": args.jobs,
+        "cpu_seconds_total": time.process_time() - cpu0 + _CHILD_CPU[0],
+        "load_average": os.getloadavg(),
+        "note": "single process, two simulated stages (the computation of Pipeline + activation_codec_for); "
+                "equal wall time is modelled: measured CPU time per step + boundary bytes / link rate",
+        "variants": variants, "equal_wall_time": equal,
+    }
+    out["targets"] = _targets(variants, equal, d)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    _print_table(out)
+    if not all(math.isfinite(v["held_out_loss_mean"]) for v in variants):
+        raise SystemExit("a run diverged")
+    return out
+
+
+def _print_table(out: dict) -> None:
+    print(f"\n{'variant':<15}{'held-out mean ± std':>22}{'min..max':>17}{'vs unc.':>9}{'per seed':>24}"
+          f"{'bytes/step':>12}{'fewer':>8}{'CPU s/step':>11}{'model s/step':>13}")
+    for v in out["variants"]:
+        per_seed = " ".join(f"{r:.3f}" for r in v["loss_ratio_per_seed"])
+        print(f"{v['label']:<15}{v['held_out_loss_mean']:>14.4f} ± {v['held_out_loss_std']:.4f}"
+              f"{v['held_out_loss_min']:>9.4f}..{v['held_out_loss_max']:.4f}{v['loss_ratio']:>9.4f}{per_seed:>24}"
+              f"{v['bytes_per_step']:>12,}{v['ratio_fp32']:>7.0f}x{v['compute_seconds_per_step']:>11.3f}"
+              f"{v['modelled_seconds_per_step']:>13.3f}")
+    for e in out["equal_wall_time"]:
+        print(f"equal modelled time {e['modelled_seconds']:.0f} s over {e['link_mbit_s']:g} Mbit/s: {e['label']} "
+              f"({e['subspace_steps']} steps) {e['subspace_held_out_loss_mean']:.4f} vs unconstrained "
+              f"({e['unconstrained_steps']} steps) {e['unconstrained_held_out_loss_mean']:.4f}")
+    for t in out["targets"]:
+        print(f"{'MET ' if t['met'] else 'MISS'} {t['name']}: {t['value']} (target {t['target']})")
+    print(f"unigram baseline {out['unigram_loss']:.4f}; {out['seconds_total']:.0f} s")
 
 
 # ---------------------------------------------------------------------------------------------- 2 x 2 pipeline
@@ -197,9 +388,8 @@ def run_pipeline_variant(k: int | None, head: str, cfg: dict) -> dict:
     (bwd,) = {b for r in last for b in r["backward_bytes"]}
     dense_fp32 = 2 * tokens_step * d * 4
     losses = [r["held_out_loss"] for r in last]
-    label = "unconstrained" if k is None else f"k=d/{d // k}" if d % k == 0 else f"k={k}"
     return {
-        "k": k, "label": label + (", subspace head" if k is not None and head == "subspace" else ""),
+        "k": k, "label": label_of(k, d) + (", subspace head" if k is not None and head == "subspace" else ""),
         "head": head, "tokens": cfg["steps"] * 2 * tokens_step, "held_out_loss": statistics.mean(losses),
         "held_out_loss_per_replica": losses, "bytes_forward_per_step": fwd, "bytes_backward_per_step": bwd,
         "bytes_per_step": fwd + bwd, "ratio_fp32": dense_fp32 / (fwd + bwd), "ratio_bf16": dense_fp32 / 2 / (fwd + bwd),
@@ -214,8 +404,8 @@ def main_pipeline(args: argparse.Namespace, argv: list[str] | None) -> dict:
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     cfg = {"steps": args.steps, "sync_every": args.sync_every, "batch": args.batch_size, "microbatches": 4,
-           "block": args.block_size, "layers": 4, "width": 128, "vocab": 1024, "lr": 1e-3,
-           "eval_batches": args.eval_batches, "seed": args.seeds[0]}
+           "block": 64, "layers": 4, "width": args.width, "vocab": 1024, "lr": 1e-3,
+           "eval_batches": 8, "seed": args.seeds[0]}
     train, val, vocab = _data(cfg["vocab"])  # builds the tokenizer cache once, before the ranks fork
     runs: list[tuple[int | None, str]] = [(None, "dense")] + [(cfg["width"] // q, "dense") for q in args.divisors]
     runs += [(cfg["width"] // q, "subspace") for q in args.subspace_head]
@@ -256,87 +446,41 @@ def main_pipeline(args: argparse.Namespace, argv: list[str] | None) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--simulated", action="store_true",
-                   help="single process, two simulated stages (the first version); default: the real 2 x 2 run")
+    p.add_argument("--pipeline", action="store_true",
+                   help="the earlier real 2 x 2 run on 4 Gloo ranks (default: single process, simulated stages)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="optimiser steps per run (equal tokens; 1000, 2 x 2: 200)")
+    p.add_argument("--seeds", type=int, nargs="+", default=None,
+                   help="one run per seed and variant (default 0 1 2; 2 x 2: only the first is used)")
+    p.add_argument("--divisors", type=int, nargs="*", default=None,
+                   help="k = n_embd / divisor (default 8 32 64; 2 x 2: 4 8 16)")
+    p.add_argument("--width", type=int, default=None, help="n_embd (default 256; 2 x 2: 128)")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences of 64 tokens per step (and replica)")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (simulated)")
+    p.add_argument("--warmup-steps", type=int, default=50, help="(simulated; at most a tenth of --steps)")
+    p.add_argument("--evals", type=int, default=6, help="held-out evaluations along each run (simulated)")
+    p.add_argument("--held-out-windows", type=int, default=640, help="64-token held-out windows (simulated)")
+    p.add_argument("--link-mbit", type=float, default=100.0, help="the modelled boundary link, Mbit/s")
+    p.add_argument("--equal-time", type=int, nargs="*", default=[8, 32],
+                   help="divisors whose equal-wall-time comparison is run (the unconstrained model again)")
     p.add_argument("--sync-every", type=int, default=20, help="2 x 2: inner steps per outer round")
     p.add_argument("--subspace-head", type=int, nargs="*", default=[8],
-                   help="2 x 2: divisors also run with the last stage's head constrained like the tied one "
-                        "(GPT.split(subspace_head='subspace')); the other runs use the dense untied head")
-    p.add_argument("--steps", type=int, default=None,
-                   help="optimiser steps per variant (equal tokens; default 200 for 2 x 2, 300 simulated)")
-    p.add_argument("--batch-size", type=int, default=None, help="sequences per replica and step (16; 8 simulated)")
-    p.add_argument("--block-size", type=int, default=None, help="context (64; 128 simulated)")
-    p.add_argument("--divisors", type=int, nargs="+", default=[4, 8, 16], help="k = n_embd / divisor")
-    p.add_argument("--eval-every", type=int, default=50)
-    p.add_argument("--eval-batches", type=int, default=8)
-    p.add_argument("--seeds", type=int, nargs="+", default=None,
-                   help="one run per seed and variant (model init, U / E_fix and batch order); default 0 for 2 x 2 "
-                        "(only the first is used there), 0 1 simulated")
+                   help="2 x 2: divisors also run with the last stage's head constrained like the tied one")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs in this many forked processes at once, one thread each (simulated; default 1)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=None,
-                   help="default benchmarks/results/subspace_pipeline.json (2 x 2), subspace.json (simulated)")
+                   help="default benchmarks/results/subspace.json (2 x 2: subspace_pipeline.json)")
     args = p.parse_args(argv)
-    sim = args.simulated
-    defaults = {"steps": 300 if sim else 200, "batch_size": 8 if sim else 16, "block_size": 128 if sim else 64,
-                "seeds": [0, 1] if sim else [0],
-                "out": RESULTS / ("subspace.json" if sim else "subspace_pipeline.json")}
+    pipe = args.pipeline
+    defaults = {"steps": 200 if pipe else 1000, "seeds": [0] if pipe else [0, 1, 2],
+                "divisors": [4, 8, 16] if pipe else [8, 32, 64], "width": 128 if pipe else WIDE["n_embd"],
+                "out": RESULTS / ("subspace_pipeline.json" if pipe else "subspace.json")}
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     torch.set_num_threads(args.threads)
-    if not sim:
-        return main_pipeline(args, argv)
-    base = TrainConfig()
-    cfg = replace(base, steps=args.steps, batch_size=args.batch_size, block_size=args.block_size,
-                  warmup_steps=min(base.warmup_steps, max(args.steps // 10, 1))).validate()
-    data = load_data(cfg, args.eval_batches)  # the validation batches are the same for every seed
-    ranks: list[int | None] = [None] + [cfg.n_embd // q for q in args.divisors]
-    t0, cpu0 = time.perf_counter(), time.process_time()
-    runs: dict[int | None, list[dict]] = {k: [] for k in ranks}
-    for seed in args.seeds:
-        for k in ranks:
-            print(f"training {'unconstrained' if k is None else f'k={k}'}, seed {seed} ...", flush=True)
-            runs[k].append(run_variant(k, replace(cfg, seed=seed), data, args.eval_every))
-    variants = []
-    for k in ranks:
-        v = dict(runs[k][0])  # bytes, parameters and layout do not depend on the seed
-        v["held_out_losses"] = [r["held_out_loss"] for r in runs[k]]
-        v["held_out_loss"] = sum(v["held_out_losses"]) / len(args.seeds)
-        v["curves"] = [r["curve"] for r in runs[k]]
-        del v["curve"]
-        v["ms_per_step"] = sorted(r["ms_per_step"] for r in runs[k])[len(args.seeds) // 2]
-        worst = [r["max_out_of_subspace"] for r in runs[k] if r["max_out_of_subspace"] is not None]
-        v["max_out_of_subspace"] = max(worst) if worst else None
-        variants.append(v)
-    ref = variants[0]
-    for v in variants:
-        v["loss_ratio"] = v["held_out_loss"] / ref["held_out_loss"]
-        v["loss_ratio_per_seed"] = [a / b for a, b in zip(v["held_out_losses"], ref["held_out_losses"])]
-    out = {
-        "command": "python -m benchmarks.subspace " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "config": {"n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd,
-                   "vocab_size": data["vocab_size"], "block_size": cfg.block_size, "batch_size": cfg.batch_size,
-                   "steps": cfg.steps, "lr": cfg.lr, "warmup_steps": cfg.warmup_steps, "seeds": args.seeds,
-                   "stages": 2, "boundary_after_block": cfg.n_layer // 2, "eval_batches": args.eval_batches,
-                   "threads": args.threads},
-        "unigram_loss": data["unigram"],
-        "seconds_total": time.perf_counter() - t0,
-        "cpu_seconds_total": time.process_time() - cpu0,
-        "note": "single process, two simulated stages; wall times measured on a shared 2-core machine under load",
-        "variants": variants,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"\n{'variant':<14}{'held-out':>10}{'vs unc.':>9}{'per seed':>16}{'bytes/step':>12}{'vs fp32':>9}"
-          f"{'vs bf16':>9}{'ms/step':>9}")
-    for v in variants:
-        per_seed = " ".join(f"{r:.3f}" for r in v["loss_ratio_per_seed"])
-        print(f"{v['label']:<14}{v['held_out_loss']:>10.4f}{v['loss_ratio']:>9.3f}{per_seed:>16}"
-              f"{v['bytes_per_step']:>12,}{v['ratio_fp32']:>8.1f}x{v['ratio_bf16']:>8.1f}x{v['ms_per_step']:>9.0f}")
-    print(f"unigram baseline {data['unigram']:.4f}; wrote {args.out}")
-    if not all(math.isfinite(v["held_out_loss"]) for v in variants):
-        raise SystemExit("a run diverged")
-    return out
+    return main_pipeline(args, argv) if pipe else main_simulated(args, argv)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,14 @@ LightningModule's contract:
   (``ValueError``), so ``self.parameters()`` in ``configure_optimizers`` are the stage's. Stage 0 takes the batch's
   inputs, the last stage's output goes to ``pipeline_loss``.
 * ``pipeline_loss(self, output, target) -> Tensor``: the mean loss over a microbatch, on the last stage.
+* optional, ``configure_activation_codec(self, stage: int, stages: int)``: what crosses this rank's stage
+  boundaries, as :class:`fgdiloco.pipeline.Pipeline`'s ``activation_codec`` (None: the activations as they are;
+  e.g. ``activation_codec_for(self.pipeline_module)`` of :mod:`fgdiloco.pretrain.model` for a subspace GPT, which
+  sends k coefficients per token each way). Called once per stage, after ``configure_pipeline_stage`` (so
+  ``self.pipeline_module`` is this rank's stage, on its device). The strategy's ``activation_codec=`` argument
+  does the same for modules without the hook; giving both is a ``ValueError``. A codec that ``needs_inputs``
+  (the subspace codec) reads the batch's inputs on every stage: ``pipeline_step(inputs, target)`` already passes
+  them everywhere.
 * ``training_step`` calls ``loss = self.trainer.strategy.pipeline_step(inputs, target)`` on every rank with the
   replica's batch (the ``DistributedSampler`` is indexed by replica: ``num_replicas=R, rank=replica``, so all stages
   of a replica see the same batches), logs it and returns it. The forward and backward run there; the gradients
@@ -84,6 +92,7 @@ from fgdiloco.config import FGDiLoCoConfig
 from fgdiloco.mesh import ReplicaMesh
 from fgdiloco.outer import FGDiLoCo
 from fgdiloco.pipeline import SCHEDULES, Pipeline
+from fgdiloco.pipeline.codec import resolve_activation_codec, shape_inference
 
 __all__ = ["FGDiLoCoStrategy", "LightningFGDiLoCoStrategy", "replica_checkpoint_path", "CHECKPOINT_KEY",
            "CHECKPOINT_FORMAT", "PIPELINE_MODULE_ATTRIBUTE"]
@@ -110,6 +119,25 @@ def replica_checkpoint_path(filepath: str | os.PathLike, rank: int) -> str:
 
 def _as_tuple(x: Any) -> tuple[Any, ...]:
     return x if isinstance(x, tuple) else (x,)
+
+
+def _is_codec_factory(value: Any) -> bool:
+    """A plain callable (``stage_module -> codec``) rather than a codec (an ``(encode, decode)`` pair or an object
+    with ``encode`` / ``decode``, which may be callable itself, e.g. an ``nn.Module``)."""
+    return callable(value) and not isinstance(value, tuple) and not (
+        callable(getattr(value, "encode", None)) and callable(getattr(value, "decode", None)))
+
+
+def _check_activation_codec(value: Any) -> None:
+    """``activation_codec=``: None, an activation codec, or a factory ``stage_module -> codec`` (checked when the
+    stage exists)."""
+    if value is None or _is_codec_factory(value):
+        return
+    try:
+        resolve_activation_codec(value)
+    except TypeError as err:
+        raise TypeError(f"activation_codec must be None, an activation codec or a callable stage_module -> codec: "
+                        f"{err}") from None
 
 
 def _local_sigterm_check(trainer: Any, exception: type[BaseException] | None) -> None:
@@ -160,6 +188,7 @@ class _FGDiLoCoStrategyMixin:
         process_group_backend: str | None = None,
         process_group_timeout: datetime.timedelta | None = dist.default_pg_timeout,
         start_method: str = "popen",
+        activation_codec: Any = None,
         **settings: Any,
     ) -> None:
         if isinstance(settings.get("timeout"), datetime.timedelta):
@@ -169,6 +198,7 @@ class _FGDiLoCoStrategyMixin:
             raise ValueError(f"start_method must be one of {_START_METHODS}, got {start_method!r}")
         if not isinstance(broadcast_init, bool):
             raise TypeError(f"broadcast_init must be a bool, got {type(broadcast_init).__name__}")
+        _check_activation_codec(activation_codec)
         stages, microbatches, schedule = _check_pipeline_arguments(pipeline_stages, n_microbatches,
                                                                    pipeline_schedule)
         # fail when the strategy is built, with the settings' own messages
@@ -197,6 +227,7 @@ class _FGDiLoCoStrategyMixin:
         self._loss_scale = 1
         self._backward_done = False
         self._pending_grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
+        self._activation_codec = activation_codec
 
     # ------------------------------------------------------------------ public
     @property
@@ -336,7 +367,8 @@ class _FGDiLoCoStrategyMixin:
         """The Pipeline's ``loss_fn``: the module's ``pipeline_loss``, recorded unscaled, divided by the gradient
         accumulation (the Pipeline itself divides by ``n_microbatches``)."""
         raw = self.lightning_module.pipeline_loss(output, target)  # type: ignore[attr-defined]
-        self._raw_losses.append(raw.detach())
+        if not shape_inference():  # torch also computes a loss on uninitialised tensors while inferring shapes
+            self._raw_losses.append(raw.detach())
         return raw / self._loss_scale if self._loss_scale != 1 else raw
 
     def _stage_module(self) -> torch.nn.Module:
@@ -441,7 +473,30 @@ class _FGDiLoCoStrategyMixin:
         stage_module = self._stage_module()
         if self._pipeline is None or self._pipeline.module is not stage_module:
             self._pipeline = Pipeline(stage_module, self._mesh, self._pipeline_loss, self._n_microbatches,
-                                      self._schedule, device=self.root_device)  # type: ignore[attr-defined]
+                                      self._schedule, device=self.root_device,  # type: ignore[attr-defined]
+                                      activation_codec=self._stage_activation_codec(stage_module))
+
+    def _stage_activation_codec(self, stage_module: torch.nn.Module) -> Any:
+        """This stage's activation codec: the LightningModule's ``configure_activation_codec(stage, stages)``, or
+        the strategy's ``activation_codec`` (a codec, or a factory called with the stage module)."""
+        module = self.lightning_module  # type: ignore[attr-defined]
+        hook = getattr(module, "configure_activation_codec", None)
+        if hook is not None and self._activation_codec is not None:
+            raise ValueError(f"{type(module).__name__}.configure_activation_codec and the strategy's "
+                             f"activation_codec= both give the pipeline's activation codec; use one")
+        if hook is not None:
+            codec = hook(self.stage, self._stages)
+            where = f"configure_activation_codec({self.stage}, {self._stages})"
+        elif _is_codec_factory(self._activation_codec):
+            codec = self._activation_codec(stage_module)
+            where = f"activation_codec({type(stage_module).__name__})"
+        else:
+            return self._activation_codec
+        try:
+            resolve_activation_codec(codec)
+        except TypeError as err:
+            raise TypeError(f"{where} must return None or an activation codec: {err}") from None
+        return codec
 
     def _build_fgdiloco(self) -> FGDiLoCo:
         optimizers = list(self.optimizers)  # type: ignore[attr-defined]
@@ -664,6 +719,12 @@ if _pl is not None:
             accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
                 process_group_backend, start_method: as in ``DDPStrategy`` (normally filled in by the Trainer).
             process_group_timeout: DDP's ``timeout`` of the default process group (a ``timedelta``).
+            activation_codec: what crosses the stage boundaries with ``pipeline_stages > 1``, as
+                :class:`fgdiloco.pipeline.Pipeline`'s ``activation_codec``: None (default: the activations as they
+                are), a codec used on every stage, or a callable ``stage_module -> codec`` called once with this
+                rank's stage, e.g. ``activation_codec=fgdiloco.pretrain.activation_codec_for`` for a subspace GPT
+                (k numbers per token each way). The LightningModule hook ``configure_activation_codec(stage,
+                stages)`` does the same per module; not both.
 
         Raises:
             TypeError, ValueError: a wrong argument, when the strategy (or ``Trainer``) is built, with FGDiLoCo's

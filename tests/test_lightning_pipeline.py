@@ -143,3 +143,106 @@ def test_manual_optimisation_through_pipeline_step(tmp_path):
         for k in range(2):
             torch.testing.assert_close(out["round_params"][k], _split(reference[replica][0][k], stage),
                                        rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------- subspace codec
+K = 4  # of the GPT's d = 32: its boundaries send K/d = 1/8 of the plain split's bytes
+
+
+def _gpt_pipeline_reference(rank: int, world: int, samples: int, batch_size: int, epochs: int, sync_every: int
+                            ) -> dict:
+    """The Lightning run of ``train.py --gpt K`` as a plain loop: ``build_stage`` + ``Pipeline(activation_codec=
+    activation_codec_for(stage))`` + ``FGDiLoCo(mesh=...)``, the replica's data order of Lightning's
+    ``DistributedSampler``; then the plain split's bytes for one batch of the same shape."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from fgdiloco import FGDiLoCo, ReplicaMesh
+    from fgdiloco.pipeline import Pipeline
+    from fgdiloco.pretrain import activation_codec_for, lm_loss
+    from tests.lightning_scripts.train import make_gpt_stage, make_inner_optimizer, make_token_dataset
+
+    mesh = ReplicaMesh(2, 2, timeout=30.0)
+    stage = make_gpt_stage(K, mesh.stage, 2, 0)
+    pipe = Pipeline(stage, mesh, lm_loss, 2, "1f1b", activation_codec=activation_codec_for(stage))
+    opt = FGDiLoCo(stage, make_inner_optimizer(stage.parameters()), sync_every=sync_every, topology="allreduce",
+                   outer_lr=0.7, seed=0, timeout=30.0, mesh=mesh)
+    data = make_token_dataset(samples)
+    sampler = DistributedSampler(data, num_replicas=2, rank=mesh.replica, shuffle=True, seed=0)
+    losses, sent = [], []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for x, y in DataLoader(data, batch_size=batch_size, sampler=sampler):
+            opt.zero_grad()
+            loss = pipe.step(x, y)
+            opt.step()
+            losses.append(None if loss is None else float(loss))
+            sent.append((pipe.last_step.forward_bytes_sent, pipe.last_step.backward_bytes_sent))
+    opt.close()
+    plain = make_gpt_stage(None, mesh.stage, 2, 0)
+    plain_pipe = Pipeline(plain, mesh, lm_loss, 2, "1f1b")
+    plain_pipe.step(x, y)
+    plain_sent = (plain_pipe.last_step.forward_bytes_sent, plain_pipe.last_step.backward_bytes_sent)
+    return {"losses": losses, "sent": sent, "plain_sent": plain_sent,
+            "final_params": torch.cat([p.detach().reshape(-1) for p in stage.parameters()])}
+
+
+@pytest.mark.parametrize("how", ["hook", "argument"])
+def test_subspace_gpt_pipeline_sends_k_over_d_of_the_bytes_and_equals_the_plain_pipeline(tmp_path, how):
+    """A 2 x 2 Lightning pipeline of ``GPT(subspace_rank=K)`` built for its 2 stages, its activation codec from
+    the module's ``configure_activation_codec`` (or the strategy's ``activation_codec=activation_codec_for``):
+    every step's boundary carries exactly K/d of the plain split's bytes (measured by the pipelines, both
+    directions), and its losses and final weights are those of the plain ``Pipeline`` loop with the same codec.
+    48 samples / (2 replicas x 8) = 3 steps per epoch, 2 epochs, a round every 2 steps."""
+    extra = ("--codec-arg",) if how == "argument" else ()
+    ranks = _launch(tmp_path / "lightning", "--stages", "2", "--microbatches", "2", "--gpt", str(K), "--samples",
+                    "48", "--max-epochs", "2", "--topology", "allreduce", "--sync-every", "2", *extra, devices=4)
+    reference = run_ranks(_gpt_pipeline_reference, 4, tmp_path, 48, 8, 2, 2)
+    d = 32
+    for rank, (got, want) in enumerate(zip(ranks, reference)):
+        replica, stage = divmod(rank, 2)
+        assert (got["replica"], got["stage"]) == (replica, stage) and got["codec_needs_inputs"] is True
+        assert got["global_step"] == 6 and got["rounds"] == 3 and len(got["step_bytes"]) == 6
+        fwd, bwd = want["plain_sent"]  # the plain split: x forward from stage 0, ∂L/∂x back from stage 1
+        assert (fwd, bwd) == ((8 * 16 * d * 4, 0) if stage == 0 else (0, 8 * 16 * d * 4))
+        assert got["step_bytes"] == [(fwd * K // d, bwd * K // d)] * 6 == want["sent"]
+        torch.testing.assert_close(got["final_params"], want["final_params"], rtol=1e-5, atol=1e-6)
+    for replica in range(2):  # the replica's loss, broadcast to both its stages, is the plain pipeline's
+        want = reference[2 * replica + 1]["losses"]
+        for stage in range(2):
+            assert ranks[2 * replica + stage]["step_losses"] == pytest.approx(want, rel=1e-5)
+    assert ranks[1]["step_losses"] != ranks[3]["step_losses"]  # the replicas read different shards
+
+
+def test_activation_codec_argument_and_hook():
+    from fgdiloco.pipeline.subspace import SubspaceActivationCodec
+    from fgdiloco.pretrain import activation_codec_for
+    from tests.lightning_scripts.train import make_gpt_stage
+
+    with pytest.raises(TypeError, match="activation_codec must be None, an activation codec or a callable"):
+        FGDiLoCoStrategy(pipeline_stages=2, activation_codec="subspace")
+    stage = make_gpt_stage(K, 0, 2, 0)
+    codec = activation_codec_for(stage)
+
+    class Plain(pl.LightningModule):
+        pass
+
+    class Hooked(pl.LightningModule):
+        def configure_activation_codec(self, stage: int, stages: int):
+            self.called = (stage, stages)
+            return codec
+
+    for given, module, want in ((activation_codec_for, Plain(), SubspaceActivationCodec), (codec, Plain(), codec),
+                                (None, Plain(), None), (None, Hooked(), codec)):
+        strategy = FGDiLoCoStrategy(pipeline_stages=2, activation_codec=given)
+        strategy._lightning_module = module  # what setup() sets
+        got = strategy._stage_activation_codec(stage)
+        assert (isinstance(got, want) if isinstance(want, type) else got is want), given
+    assert module.called == (0, 2)
+    strategy = FGDiLoCoStrategy(pipeline_stages=2, activation_codec=codec)
+    strategy._lightning_module = Hooked()
+    with pytest.raises(ValueError, match="configure_activation_codec and the strategy's activation_codec= both"):
+        strategy._stage_activation_codec(stage)
+    strategy = FGDiLoCoStrategy(pipeline_stages=2, activation_codec=lambda stage_module: "not a codec")
+    strategy._lightning_module = Plain()
+    with pytest.raises(TypeError, match=r"activation_codec\(GPTStage\) must return None or an activation codec"):
+        strategy._stage_activation_codec(stage)

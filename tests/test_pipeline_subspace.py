@@ -14,14 +14,14 @@ import torch
 from torch import nn
 
 from fgdiloco import FGDiLoCo, ReplicaMesh
-from fgdiloco.factor.subspace import (
+from fgdiloco.pipeline import Pipeline
+from fgdiloco.pipeline.codec import _inferring_shapes, shape_inference
+from fgdiloco.pipeline.subspace import (
     SubspaceActivationCodec,
     SubspaceError,
     fixed_embedding,
     orthonormal_basis,
 )
-from fgdiloco.pipeline import Pipeline
-from fgdiloco.pipeline.codec import _inferring_shapes, shape_inference
 from fgdiloco.pretrain.model import GPT, GPTConfig, GPTStage, activation_codec_for, build_stage, lm_loss
 from fgdiloco.testing import run_ranks
 
@@ -33,10 +33,11 @@ M = 4  # microbatches
 B, T = 8, 16
 
 
-def subspace_gpt(k: int = K, cfg: GPTConfig = CFG) -> GPT:
-    """A subspace GPT with every trainable parameter moved off its initialisation (Z_tok starts at zero)."""
+def subspace_gpt(k: int = K, cfg: GPTConfig = CFG, stages: int | None = None) -> GPT:
+    """A subspace GPT with every trainable parameter moved off its initialisation (Z_tok starts at zero); built
+    for ``stages`` (only the writes that cross a boundary constrained) or, None, with every block constrained."""
     torch.manual_seed(0)
-    model = GPT(cfg, subspace_rank=k, subspace_seed=SEED)
+    model = GPT(cfg, subspace_rank=k, subspace_seed=SEED, subspace_stages=stages)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in model.parameters():
@@ -61,9 +62,9 @@ def stage_to_model_name(stage: GPTStage, name: str) -> str:
 
 
 # ------------------------------------------------------------------ loss and gradients equal the unsplit model's
-def _pipe_grads(rank: int, world: int, schedule: str, k: int, head: str) -> dict:
+def _pipe_grads(rank: int, world: int, schedule: str, k: int, head: str, built: int | None) -> dict:
     mesh = ReplicaMesh(1, world)
-    stage = subspace_gpt(k, CFG if world == 2 else CFG3).split(world, subspace_head=head)[mesh.stage]
+    stage = subspace_gpt(k, CFG if world == 2 else CFG3, built).split(world, subspace_head=head)[mesh.stage]
     pipe = Pipeline(stage, mesh, lm_loss, M, schedule, activation_codec=activation_codec_for(stage))
     idx, y = lm_batch()
     loss = pipe.step(idx, y)  # the token ids on every stage
@@ -73,13 +74,18 @@ def _pipe_grads(rank: int, world: int, schedule: str, k: int, head: str) -> dict
     return {"loss": loss, "grads": grads, "stats": stats, "eval": held_out}
 
 
-@pytest.mark.parametrize(("schedule", "k", "S", "head"), [
-    ("1f1b", K, 2, "dense"), ("gpipe", K, 2, "dense"), ("1f1b", 1, 2, "dense"), ("1f1b", K, 3, "dense"),
-    ("gpipe", K, 2, "subspace"),
+@pytest.mark.parametrize(("schedule", "k", "S", "head", "built"), [
+    ("1f1b", K, 2, "dense", None), ("gpipe", K, 2, "dense", None), ("1f1b", 1, 2, "dense", None),
+    ("1f1b", K, 3, "dense", None), ("gpipe", K, 2, "subspace", None),
+    # built for the split: the last stage's blocks write freely, the boundaries stay lossless
+    ("1f1b", K, 2, "dense", 2), ("gpipe", 1, 3, "dense", 3),
 ])
-def test_compressed_pipeline_equals_the_unsplit_reparametrised_model(tmp_path, schedule, k, S, head):
-    res = run_ranks(_pipe_grads, S, tmp_path, schedule, k, head)
-    model = subspace_gpt(k, CFG if S == 2 else CFG3)
+def test_compressed_pipeline_equals_the_unsplit_reparametrised_model(tmp_path, schedule, k, S, head, built):
+    res = run_ranks(_pipe_grads, S, tmp_path, schedule, k, head, built)
+    model = subspace_gpt(k, CFG if S == 2 else CFG3, built)
+    if built is not None:  # the last stage's blocks are plain
+        assert model.subspace_layers == range(model.config.n_layer - 1)
+        assert type(model.transformer.h[-1].mlp.c_proj) is nn.Linear
     stages = model.split(S, subspace_head=head)
     idx, y = lm_batch()
     _, want_loss = model(idx, y)
@@ -134,7 +140,10 @@ def _train_2x2(rank: int, world: int) -> dict:
     opt.close()
     return {
         "stage": mesh.stage, "U": stage.U.clone(), "E_fix": stage.E_fix.clone(),
-        "fixed_are_shared": all(t is stage.U or t is stage.E_fix for t in fixed) and len(fixed) > 2,
+        # stage 0's modules share the stage's U / E_fix; the last stage keeps them for its boundary (its blocks
+        # are plain: built for 2 stages, only what crosses is constrained)
+        "fixed_are_shared": all(t is stage.U or t is stage.E_fix for t in fixed) and len(fixed) > 2 - mesh.stage,
+        "plain_blocks": all(type(b.mlp.c_proj) is nn.Linear for b in stage.h),
         "fixed_in_synced": any(t.data_ptr() in synced for t in fixed),
         "synced_numel": sum(t.numel() for t in opt.params),
         "param_numel": sum(p.numel() for p in stage.parameters()),
@@ -150,6 +159,7 @@ def test_u_and_e_fix_never_change_and_are_neither_parameters_nor_synchronised(tm
     E_fix = fixed_embedding(CFG.vocab_size, CFG.n_embd, SEED)
     for r in res:
         assert torch.equal(r["U"], U) and torch.equal(r["E_fix"], E_fix)  # bit for bit, after training
+        assert r["plain_blocks"] == (r["stage"] == 1)
         assert r["fixed_are_shared"]  # one U / E_fix per stage, shared by its modules
         assert not r["fixed_in_synced"]
         assert r["synced_numel"] == r["param_numel"]
@@ -257,10 +267,14 @@ def test_build_stage_is_the_seeded_models_stage_and_leaves_the_global_rng_alone(
     stage = build_stage(CFG, 2, 1, subspace_rank=K, subspace_seed=SEED, seed=4)
     assert torch.equal(torch.get_rng_state(), before)
     torch.manual_seed(4)
-    want = GPT(CFG, subspace_rank=K, subspace_seed=SEED).split(2)[1]
+    want = GPT(CFG, subspace_rank=K, subspace_seed=SEED, subspace_stages=2).split(2)[1]
     assert stage.state_dict().keys() == want.state_dict().keys()
     for key, value in want.state_dict().items():
         assert torch.equal(stage.state_dict()[key], value), key
+    assert stage.subspace_stages == 2 and stage.subspace_layers == range(1)  # built for its split
+    assert all(type(b.attn.c_proj) is nn.Linear for b in stage.h)  # the last stage writes freely
+    whole = build_stage(CFG, 1, 0, subspace_rank=K, seed=4)  # one stage: every block constrained
+    assert whole.subspace_stages is None and whole.subspace_layers == range(2)
     plain = build_stage(CFG, 2, 0, seed=4)
     assert plain.subspace_rank is None and "U" not in dict(plain.named_buffers())
     assert activation_codec_for(plain) is None

@@ -20,17 +20,18 @@ from hypothesis import strategies as st
 from torch import nn
 
 from fgdiloco import FGDiLoCo
-from fgdiloco.factor import (
+from fgdiloco.pipeline.subspace import (
     BoundaryIn,
     BoundaryOut,
     SubspaceBasis,
     SubspaceCodec,
     SubspaceError,
+    default_tolerance,
     fixed_embedding,
     orthonormal_basis,
+    orthonormalize,
 )
-from fgdiloco.factor.subspace import default_tolerance, orthonormalize
-from fgdiloco.pretrain.model import GPT, GPTConfig
+from fgdiloco.pretrain.model import GPT, GPTConfig, SubspaceLinear, stage_layers
 from fgdiloco.testing import run_ranks
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -102,7 +103,7 @@ def test_orthonormalize_is_unique_up_to_the_span():
 
 _CHILD = """
 import hashlib, sys, torch
-from fgdiloco.factor import SubspaceBasis, fixed_embedding
+from fgdiloco.pipeline.subspace import SubspaceBasis, fixed_embedding
 torch.manual_seed(int(sys.argv[1]))  # the global seed must not matter
 b = SubspaceBasis(96, 12, seed=5)
 e = fixed_embedding(300, 96, seed=5)
@@ -538,20 +539,182 @@ def test_fgdiloco_synchronises_parameters_only_and_leaves_the_basis_alone(tmp_pa
 
 
 @pytest.mark.parametrize("k", [None, 8])
-def test_two_stage_step_matches_the_unsplit_model_and_counts_what_crosses(k):
+def test_benchmark_two_stage_step_matches_the_chained_stages_and_counts_what_crosses(k):
+    from fgdiloco.pretrain.model import two_stage_loss as held_out_loss
     from fgdiloco.pretrain.model import two_stage_step
 
     torch.manual_seed(0)
-    m = _perturb(GPT(CFG, subspace_rank=k))
+    stages = _perturb(GPT(CFG, subspace_rank=k, subspace_stages=None if k is None else 2)).split(2)
     idx, tgt = _batch()
-    loss = m(idx, tgt)[1]
-    loss.backward()
-    want = {n: p.grad.clone() for n, p in m.named_parameters()}
-    m.zero_grad()
-    codec = None if k is None else m.subspace_codec()
-    got, fwd, bwd = two_stage_step(m, idx, tgt, codec, cut=2)
-    assert got == pytest.approx(float(loss.detach()), rel=1e-6)
+    want_loss = nn.functional.cross_entropy(stages[1](stages[0](idx)).reshape(-1, CFG.vocab_size), tgt.reshape(-1))
+    want_loss.backward()
+    want = [{n: p.grad.clone() for n, p in s.named_parameters()} for s in stages]
+    for s in stages:
+        s.zero_grad()
+    codec = None if k is None else stages[0].subspace_codec()
+    got, fwd, bwd = two_stage_step(stages, idx, tgt, codec)
+    assert got == pytest.approx(float(want_loss.detach()), rel=1e-6)
     per_token = CFG.n_embd if k is None else k
     assert fwd == bwd == idx.numel() * per_token * 4
-    for n, p in m.named_parameters():
-        torch.testing.assert_close(p.grad, want[n], rtol=1e-4, atol=1e-6, msg=n)
+    for s, w in zip(stages, want):
+        for n, p in s.named_parameters():
+            torch.testing.assert_close(p.grad, w[n], rtol=1e-4, atol=1e-6, msg=n)
+    assert held_out_loss(stages, codec, [(idx, tgt)]) == pytest.approx(float(want_loss.detach()), rel=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ only what crosses
+CFG6 = GPTConfig(vocab_size=64, block_size=16, n_layer=6, n_head=2, n_embd=32)
+
+
+def _chain(stages, idx, tgt, codec=None):
+    """The stages run one after the other as a pipeline would, the stream sent as it is (``codec=None``) or as
+    c through the codec's boundary pair; returns the loss and each stage's parameter gradients."""
+    x, sent = idx, []
+    for s, stage in enumerate(stages):
+        if s > 0:  # the wire: what the previous stage sent arrives as a new leaf
+            received = sent[-1].detach().requires_grad_()
+            x = received if codec is None else codec.boundary_in(received, idx)
+            sent[-1] = (sent[-1], received)
+        x = stage(x)
+        if s < len(stages) - 1:
+            sent.append(x if codec is None else codec.boundary_out(x, idx))
+            x = None
+    loss = nn.functional.cross_entropy(x.reshape(-1, x.size(-1)), tgt.reshape(-1))
+    loss.backward()
+    for out, received in reversed(sent):  # every stage's backward from the gradient that came back
+        out.backward(received.grad)
+    grads = [{n: p.grad.clone() for n, p in stage.named_parameters()} for stage in stages]
+    for stage in stages:
+        stage.zero_grad(set_to_none=True)
+    return loss.detach(), grads, [received.grad.shape for _, received in sent]
+
+
+@pytest.mark.parametrize(("cfg", "S", "k"), [(CFG, 2, 4), (CFG, 4, 8), (CFG6, 3, 4), (CFG6, 2, 1)])
+def test_only_the_writes_that_cross_a_boundary_are_constrained(cfg, S, k):
+    """``subspace_stages=S``: the embeddings and every block before the last stage of ``split(S)`` write through
+    U, the last stage's blocks are plain (their writes leave span(U)); every boundary of the split stays lossless:
+    sending c instead of x changes neither the loss nor any gradient."""
+    torch.manual_seed(0)
+    model = _perturb(GPT(cfg, subspace_rank=k, subspace_stages=S), scale=0.1)
+    last = model.split(S)[-1].layers
+    assert model.subspace_layers == range(last.start) and model.subspace_stages == S
+    for i, block in enumerate(model.transformer.h):
+        for proj in (block.attn.c_proj, block.mlp.c_proj):
+            assert type(proj) is (SubspaceLinear if i < last.start else nn.Linear), (i, proj)
+    idx, tgt = _batch(cfg)
+    # train a few steps: the free blocks move in all d directions, the constrained ones only inside span(U)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for _ in range(3):
+        model(idx, tgt)[1].backward()
+        opt.step()
+        opt.zero_grad()
+    found = dict(model.subspace_residual(idx))
+    assert list(found) == ["embedding"] + [f"block {i}" if i < last.start else f"block {i} (free)"
+                                           for i in range(cfg.n_layer)]
+    assert max(r.max_relative for w, r in found.items() if "free" not in w) < 2e-5
+    assert min(r.max_relative for w, r in found.items() if "free" in w) > 1e-2  # left the subspace
+    model.check_subspace(idx)  # checks only the constrained boundaries: passes
+    # the writes of a free block themselves (not only the stream) have a component outside span(U)
+    U = model.transformer.wte.U
+    free = model.transformer.h[last.start]
+    with torch.no_grad():
+        stream = model.transformer.wte(idx) + model.transformer.wpe(torch.arange(cfg.block_size))
+        for block in model.transformer.h[:last.start]:
+            stream = block(stream)
+        write = free(stream) - stream
+    assert float((write - write @ U @ U.T).norm() / write.norm()) > 0.5
+    # every boundary of split(S): c reconstructs the stream exactly, and the compressed chain is the plain chain
+    stages = model.split(S)
+    codec = stages[0].subspace_codec()
+    h = idx
+    for stage in stages[:-1]:
+        h = stage(h)
+        torch.testing.assert_close(codec.decompress(*codec.compress(h, idx)), h, rtol=0, atol=1e-5)
+    want_loss, want, _ = _chain(stages, idx, tgt)
+    got_loss, got, shapes = _chain(stages, idx, tgt, codec)
+    assert shapes == [torch.Size([idx.shape[0], cfg.block_size, k])] * (S - 1)  # k numbers per token go back
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-6, atol=0)
+    for s in range(S):
+        for name in want[s]:
+            torch.testing.assert_close(got[s][name], want[s][name], rtol=1e-4, atol=1e-6, msg=f"stage {s} {name}")
+
+
+def test_a_model_built_for_s_stages_refuses_a_split_past_its_constrained_blocks():
+    torch.manual_seed(0)
+    model = GPT(CFG, subspace_rank=8, subspace_stages=2)  # blocks 0, 1 constrained; 2, 3 free
+    with pytest.raises(ValueError, match=r"split\(3\) cuts the stream after block 2, but this model "
+                                         r"\(subspace_stages=2\) constrains only blocks 0\.\.1.*subspace_stages=3"):
+        model.split(3)
+    assert len(model.split(1)) == 1 and len(model.split(2)) == 2
+    six = GPT(CFG6, subspace_rank=8, subspace_stages=3)  # stages [0,2) [2,4) [4,6): blocks 0..3 constrained
+    assert six.subspace_layers == range(4)
+    assert [s.layers for s in six.split(2)] == [range(0, 3), range(3, 6)]  # cut after block 2: inside
+    with pytest.raises(ValueError, match="cuts the stream after block 4"):
+        six.split(6)
+    assert all(len(GPT(CFG, subspace_rank=8).split(S)) == S for S in (1, 2, 3, 4))  # None: any split
+    assert stage_layers(4, 2) == [range(0, 2), range(2, 4)] and stage_layers(5, 3) == [range(0, 2), range(2, 4),
+                                                                                       range(4, 5)]
+
+
+@pytest.mark.parametrize(("value", "exc", "match"), [
+    (1, ValueError, r"subspace_stages must be None or an int in \[2, n_layer=4\].*got 1; one stage has no "
+                    r"boundary"),
+    (5, ValueError, r"subspace_stages must be None or an int in \[2, n_layer=4\]"),
+    (2.0, TypeError, "subspace_stages must be None or an int"),
+    (True, TypeError, "subspace_stages must be None or an int"),
+])
+def test_bad_subspace_stages_raise_before_anything(value, exc, match):
+    rng = torch.get_rng_state()
+    with pytest.raises(exc, match=match):
+        GPT(CFG, subspace_rank=4, subspace_stages=value)
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_free_blocks_count_and_load_as_the_plain_model():
+    torch.manual_seed(0)
+    plain = _perturb(GPT(CFG))
+    m = GPT(CFG, subspace_rank=8, subspace_stages=2)
+    d, k, v, t = 32, 8, 64, 16
+    n_plain = sum(p.numel() for p in plain.parameters())
+    # only the embeddings and the two constrained blocks train k instead of d numbers per residual write
+    assert sum(p.numel() for p in m.parameters()) == n_plain - (d - k) * (v + t + 2 * (d + 1 + 4 * d + 1))
+    assert GPT(CFG, subspace_stages=2).subspace_layers == range(0)  # ignored without subspace_rank
+    full = GPT(CFG, subspace_rank=d, subspace_stages=2)
+    full.load_plain(plain)  # k = d: exact, the free blocks copied as they are
+    idx, _ = _batch()
+    with torch.no_grad():
+        torch.testing.assert_close(full(idx)[0], plain(idx)[0], rtol=0, atol=2e-5)
+    torch.testing.assert_close(full.transformer.h[3].mlp.c_proj.weight, plain.transformer.h[3].mlp.c_proj.weight)
+
+
+# ------------------------------------------------------------------------------------------------ where it lives
+def test_the_codec_moved_to_the_pipeline_and_the_old_names_warn():
+    import fgdiloco.factor as factor
+    import fgdiloco.pipeline as pipeline
+    import fgdiloco.pipeline.subspace as new
+
+    for name in ("BoundaryIn", "BoundaryOut", "SubspaceActivationCodec", "SubspaceBasis", "SubspaceCodec",
+                 "SubspaceError", "fixed_embedding", "orthonormal_basis", "default_tolerance", "Residual"):
+        with pytest.warns(DeprecationWarning, match=rf"fgdiloco\.factor\.{name} has moved to "
+                                                    rf"fgdiloco\.pipeline\.subspace\.{name}"):
+            assert getattr(factor, name) is getattr(new, name)
+    with pytest.warns(DeprecationWarning, match="fgdiloco.pipeline.subspace"):
+        from fgdiloco.factor import SubspaceCodec as Old
+    assert Old is SubspaceCodec is pipeline.SubspaceCodec
+    assert not set(factor.__all__) & {"SubspaceCodec", "SubspaceBasis"}  # a star import does not warn
+    with pytest.raises(AttributeError, match="has no attribute 'Nope'"):
+        factor.Nope  # noqa: B018
+
+
+def test_the_gossip_codecs_never_import_the_pipeline():
+    import ast
+
+    root = Path(__file__).resolve().parents[1] / "fgdiloco" / "factor"
+    for path in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [("." * node.level) + (node.module or "")] if isinstance(node, ast.ImportFrom) else [])
+            assert not [n for n in names if "pipeline" in n], f"{path.name} imports {names}"
+    code = ("import sys, warnings; import fgdiloco.factor as f; assert 'fgdiloco.pipeline' not in sys.modules; "
+            "warnings.simplefilter('ignore'); f.SubspaceCodec; assert 'fgdiloco.pipeline.subspace' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

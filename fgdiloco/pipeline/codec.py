@@ -20,11 +20,12 @@ A codec with ``needs_inputs = True`` also gets the microbatch's *inputs* (what t
 :meth:`~fgdiloco.pipeline.Pipeline.step`, e.g. the token ids): ``encode(output, inputs=...)`` and
 ``decode(*received, inputs=...)``. Every stage then reads the batch itself (``Pipeline.step(inputs, target)`` on
 every rank); the inputs are never sent between stages. The subspace codec
-(:class:`fgdiloco.factor.subspace.SubspaceActivationCodec`) uses this to add ``E_fix[tokens]`` back.
+(:class:`fgdiloco.pipeline.subspace.SubspaceActivationCodec`) uses this to add ``E_fix[tokens]`` back.
 
 While ``torch.distributed.pipelining`` infers the boundary shapes (first step, and after each switch between
-``step`` and ``eval_loss``), the stages after the first run on *uninitialised* tensors of the right shape;
-:func:`shape_inference` is True then, and a codec should skip value checks (e.g. NaN or a subspace test).
+``step`` and ``eval_loss``), the stages after the first run on *uninitialised* tensors of the right shape (and the
+last stage calls ``loss_fn`` on their output); :func:`shape_inference` is True then, and a codec should skip value
+checks (e.g. NaN or a subspace test), a ``loss_fn`` should not record that loss.
 """
 
 from __future__ import annotations

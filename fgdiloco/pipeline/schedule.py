@@ -99,6 +99,11 @@ class _Stage(PipelineStage):
         with _inferring_shapes():
             return super()._forward_metadata_inference(*args, **kwargs)
 
+    def _backward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        # the last stage calls loss_fn on those tensors here: a loss_fn that records its losses must skip this one
+        with _inferring_shapes():
+            return super()._backward_metadata_inference(*args, **kwargs)
+
     def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
         # torch wraps a forward error in a RuntimeError; keep the model's own exception to re-raise it unchanged
         try:

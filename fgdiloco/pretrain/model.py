@@ -4,9 +4,10 @@ Pre-norm blocks of causal self-attention (``scaled_dot_product_attention(is_caus
 learned position embeddings, the token embedding tied to the output head, and GPT-2's initialisation (normal
 0.02, residual projections scaled by ``1/sqrt(2 * n_layer)``).
 
-``GPT(config, subspace_rank=k)`` is the same network reparametrised after Ramasinghe et al., "Subspace Networks"
-(arXiv 2506.01260) so that its residual stream stays in ``E_fix[tokens] + span(U)`` exactly and can cross a
-pipeline-stage boundary as k numbers per token (:mod:`fgdiloco.factor.subspace`); see :class:`GPT`.
+``GPT(config, subspace_rank=k, subspace_stages=S)`` is the same network reparametrised after Ramasinghe et al.,
+"Subspace Networks" (arXiv 2506.01260) so that its residual stream is in ``E_fix[tokens] + span(U)`` exactly
+wherever :meth:`GPT.split` ``(S)`` cuts it, and crosses each pipeline-stage boundary as k numbers per token
+(:mod:`fgdiloco.pipeline.subspace`); the blocks after the last boundary write freely. See :class:`GPT`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..factor.subspace import (
+from ..pipeline.subspace import (
     Residual,
     SubspaceActivationCodec,
     SubspaceBasis,
@@ -33,7 +34,33 @@ from ..factor.subspace import (
 SUBSPACE_HEADS = ("dense", "subspace")
 
 __all__ = ["GPT", "GPTConfig", "GPTStage", "SubspaceLinear", "SubspacePositionEmbedding", "SubspaceTiedHead",
-           "SubspaceTokenEmbedding", "activation_codec_for", "build_stage", "fragments_of", "lm_loss", "two_stage_step"]
+           "SubspaceTokenEmbedding", "activation_codec_for", "build_stage", "fragments_of", "lm_loss", "stage_layers",
+           "two_stage_loss", "two_stage_step"]
+
+
+def stage_layers(n_layer: int, stages: int) -> list[range]:
+    """The blocks of each of ``stages`` pipeline stages of an ``n_layer``-block model, as :meth:`GPT.split` cuts
+    them: as even as possible, the earlier stages taking one more block when ``stages`` does not divide
+    ``n_layer``. E.g. ``stage_layers(4, 2) == [range(0, 2), range(2, 4)]``; the boundaries are after blocks
+    ``r.stop - 1`` of every range but the last.
+
+    Raises:
+        TypeError: an argument not an int.
+        ValueError: ``n_layer < 1`` or ``stages`` outside ``[1, n_layer]``.
+    """
+    for name, value in (("n_layer", n_layer), ("stages", stages)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if n_layer < 1 or not 1 <= stages <= n_layer:
+        raise ValueError(f"stages must be in [1, n_layer={n_layer}] (every stage holds at least one block), got "
+                         f"{stages}")
+    per, extra = divmod(n_layer, stages)
+    out, start = [], 0
+    for s in range(stages):
+        stop = start + per + (1 if s < extra else 0)
+        out.append(range(start, stop))
+        start = stop
+    return out
 
 
 @dataclass
@@ -118,18 +145,40 @@ class GPT(nn.Module):
     ``targets`` (``[B, T]``), or ``None`` without targets.
 
     **Subspace option** (``subspace_rank=k``; Ramasinghe et al., "Subspace Networks", arXiv 2506.01260). Every
-    write into the residual stream goes through one fixed orthonormal basis ``U`` (``d × k``, ``d = n_embd``,
-    seeded by ``subspace_seed``, identical on every process):
+    write into the residual stream that reaches a pipeline-stage boundary goes through one fixed orthonormal basis
+    ``U`` (``d × k``, ``d = n_embd``, seeded by ``subspace_seed``, identical on every process):
 
-    * attention and MLP output projections: ``W = U Z`` with ``Z`` trainable (``k × in``), bias ``U z_b``
-      (:class:`SubspaceLinear`; the parameters keep their names ``c_proj.weight`` / ``c_proj.bias``);
+    * attention and MLP output projections of the constrained blocks (:attr:`subspace_layers`): ``W = U Z`` with
+      ``Z`` trainable (``k × in``), bias ``U z_b`` (:class:`SubspaceLinear`; the parameters keep their names
+      ``c_proj.weight`` / ``c_proj.bias``);
     * position embedding ``U Z_pos`` (``Z_pos``: ``block_size × k``);
     * token embedding ``E_fix + Z_tok Uᵀ`` with ``E_fix`` (``vocab × d``) a frozen seeded ``N(0, 0.02²)`` table
       carrying the token-specific part in all d dimensions, ``Z_tok`` (``vocab × k``) trainable, zero at
       initialisation (so the initial embedding is distributed as the plain model's); the tied output head uses
-      the same combined embedding.
+      the same combined embedding (:meth:`split` unties it for ``S > 1`` and makes it dense by default).
 
-    So after the embedding and after every block, ``x = E_fix[tokens] + U c`` exactly (to float rounding:
+    **What is constrained: only what crosses** (``subspace_stages``). The stream is additive: after block ``i`` it
+    is ``E_tok[t] + P[pos] + Σ_{j <= i} (attn_j + mlp_j)``, and nothing ever removes a write. A boundary after
+    block ``b`` can therefore send ``x = E_fix[tokens] + U c`` exactly iff *every* write before it, in every earlier
+    stage and not only in the sending one, lies in ``span(U)``: a write of the second stage that left the
+    subspace would still be in the stream at the third stage's boundary, so the blocks between two boundaries need
+    the constraint as much as the first stage's. What is written after the **last** boundary never crosses one:
+    those blocks (every block of the last stage) and the head write freely in all d dimensions, as plain blocks.
+    **One basis for all boundaries**, not one per boundary: with a basis ``U_b`` per boundary the stream at
+    boundary ``b`` would hold ``U_1 c_1 + ... + U_b c_b``, of rank up to ``b·k``; sending k numbers there needs
+    every earlier span inside ``span(U_b)`` (so one shared span), or a stage that re-expresses the stream it
+    received in a new basis, which drops what lies outside it: a lossy projection, not this lossless codec.
+
+    * ``subspace_stages=S`` (int in ``[2, n_layer]``): the model is meant to be cut by :meth:`split` ``(S)``.
+      The embeddings and the blocks before the last stage (:attr:`subspace_layers`, ``range(0, c)`` with ``c`` the
+      last stage's first block, :func:`stage_layers`) are constrained, blocks ``c..n_layer-1`` are plain. A split
+      into ``S'`` stages is lossless when its last boundary is at or before ``c`` (``S' = S``, ``S' = 1``, or e.g.
+      ``split(2)`` of a 6-block model built for 3 stages); :meth:`split` refuses the others.
+    * ``subspace_stages=None`` (default): every block is constrained (``c = n_layer``): the stream is in the
+      subspace after every block, any split is lossless; the most constrained model (for a single-process run
+      that measures the constraint without knowing the split).
+
+    So at every boundary the model can be cut at, ``x = E_fix[tokens] + U c`` exactly (to float rounding:
     :meth:`subspace_residual`, :meth:`check_subspace`), and :meth:`subspace_codec` gives the codec that sends
     ``c``. ``U`` and ``E_fix`` are buffers (in ``state_dict``, never parameters): no optimizer, gossip or
     pseudo-gradient sees them. Dropout acts on the trainable coefficients (``Z``'s outputs, ``Z_tok[t]``,
@@ -142,14 +191,22 @@ class GPT(nn.Module):
         config: the sizes (:class:`GPTConfig`).
         subspace_rank: k, the rank of the residual-stream subspace (int in [1, n_embd]), or None (plain model).
         subspace_seed: seed of ``U`` and ``E_fix`` (int in [0, 2**63)); every stage and replica must share it.
+        subspace_stages: the number of pipeline stages the model will be split into (int in ``[2, n_layer]``:
+            the last stage's blocks write freely), or None (every block constrained); ignored without
+            ``subspace_rank``.
+
+    Attributes:
+        subspace_layers: the constrained blocks, ``range(0, c)`` (``range(0)`` for a plain model).
 
     Raises:
-        TypeError, ValueError: ``subspace_rank`` or ``subspace_seed`` out of range (before anything is built).
+        TypeError, ValueError: ``subspace_rank``, ``subspace_seed`` or ``subspace_stages`` out of range (before
+            anything is built).
     """
 
-    def __init__(self, config: GPTConfig, subspace_rank: int | None = None, subspace_seed: int = 0):
+    def __init__(self, config: GPTConfig, subspace_rank: int | None = None, subspace_seed: int = 0,
+                 subspace_stages: int | None = None):
         super().__init__()
-        _check_subspace_args(config, subspace_rank, subspace_seed)
+        _check_subspace_args(config, subspace_rank, subspace_seed, subspace_stages)
         self.config = config
         self.transformer = nn.ModuleDict(
             dict(
@@ -168,8 +225,10 @@ class GPT(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
         self.subspace_rank = subspace_rank
         self.subspace_seed = subspace_seed
+        self.subspace_stages = subspace_stages if subspace_rank is not None else None
+        self.subspace_layers = _constrained_layers(config.n_layer, subspace_rank, self.subspace_stages)
         if subspace_rank is not None:
-            _reparametrise(self, subspace_rank, subspace_seed)
+            _reparametrise(self, subspace_rank, subspace_seed, self.subspace_layers)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -201,7 +260,9 @@ class GPT(nn.Module):
         gossiped with their own stage. ``stages=1`` keeps the tie.
 
         **Subspace models** (``subspace_rank=k``) split the same way: stage 0 holds ``E_fix + Z_tok Uᵀ`` and
-        ``U Z_pos``, every stage its blocks with ``W = U Z`` output projections, the last the head. Every stage
+        ``U Z_pos``, every stage its blocks (``W = U Z`` output projections in :attr:`subspace_layers`, plain ones
+        after them: with ``subspace_stages=S`` every block of the last stage), the last the head. Every boundary of
+        the split must lie within the constrained blocks (see :class:`GPT`), else ``ValueError``. Every stage
         keeps its own copy of the fixed ``U`` and ``E_fix`` as buffers ``stage.U`` / ``stage.E_fix`` (identical
         bits on every stage; shared by the stage's modules, never parameters), which its boundary codec uses
         (:func:`activation_codec_for`): the stream crosses a boundary as ``c`` (``[B, T, k]``). The tie of the
@@ -226,7 +287,8 @@ class GPT(nn.Module):
 
         Raises:
             TypeError: ``stages`` not an int.
-            ValueError: ``stages`` outside ``[1, n_layer]``, ``subspace_head`` not ``"dense"`` / ``"subspace"``.
+            ValueError: ``stages`` outside ``[1, n_layer]``, ``subspace_head`` not ``"dense"`` / ``"subspace"``, a
+                boundary after a block that writes freely (a subspace model built for another split).
         """
         if isinstance(stages, bool) or not isinstance(stages, int):
             raise TypeError(f"stages must be an int in [1, n_layer={self.config.n_layer}], got "
@@ -236,13 +298,16 @@ class GPT(nn.Module):
                              f"one block), got {stages}")
         if subspace_head not in SUBSPACE_HEADS:
             raise ValueError(f"subspace_head must be one of {SUBSPACE_HEADS}, got {subspace_head!r}")
-        per, extra = divmod(self.config.n_layer, stages)
-        out, start = [], 0
-        for s in range(stages):
-            stop = start + per + (1 if s < extra else 0)
-            out.append(GPTStage(self, s, stages, range(start, stop), subspace_head=subspace_head))
-            start = stop
-        return out
+        layers = stage_layers(self.config.n_layer, stages)
+        last_boundary = layers[-1].start  # the stream crosses after blocks r.stop - 1 of every stage but the last
+        if self.subspace_rank is not None and last_boundary > self.subspace_layers.stop:
+            last_constrained = self.subspace_layers.stop - 1
+            raise ValueError(f"split({stages}) cuts the stream after block {last_boundary - 1}, but this model "
+                             f"(subspace_stages={self.subspace_stages}) constrains only blocks 0..{last_constrained} "
+                             f"to the subspace: the blocks after them write outside span(U), so that boundary "
+                             f"would lose information. Split it into {self.subspace_stages} stages, or build the "
+                             f"model with subspace_stages={stages}")
+        return [GPTStage(self, s, stages, r, subspace_head=subspace_head) for s, r in enumerate(layers)]
 
     def activation_codec(self, *, check: bool = True, tol: float | None = None) -> SubspaceActivationCodec | None:
         """:func:`activation_codec_for` this model: the pipeline codec of its subspace, None for a plain model."""
@@ -275,7 +340,9 @@ class GPT(nn.Module):
     def subspace_residual(self, idx: torch.Tensor) -> list[tuple[str, Residual]]:
         """Run ``idx`` (``[B, T]``) forward without gradients and measure the residual stream's component outside
         ``E_fix[idx] + span(U)`` at every block boundary: ``[("embedding", r), ("block 0", r), ...]`` (the input
-        of block 0, then the output of each block), each a :class:`~fgdiloco.factor.subspace.Residual`.
+        of block 0, then the output of each block), each a :class:`~fgdiloco.pipeline.subspace.Residual`. The
+        outputs of the blocks that write freely (after :attr:`subspace_layers`) are labelled ``"block i (free)"``:
+        they are expected outside the subspace.
 
         Raises:
             RuntimeError: the model was built without ``subspace_rank``.
@@ -283,9 +350,10 @@ class GPT(nn.Module):
         return _subspace_residual(self, idx)
 
     def check_subspace(self, idx: torch.Tensor, tol: float | None = None) -> list[tuple[str, Residual]]:
-        """:meth:`subspace_residual`, raising :class:`~fgdiloco.factor.subspace.SubspaceError` naming the first
-        boundary whose out-of-subspace component exceeds ``tol`` (default: float rounding of the stream's dtype),
-        e.g. after a user replaced a projection with a module that writes outside ``span(U)``."""
+        """:meth:`subspace_residual`, raising :class:`~fgdiloco.pipeline.subspace.SubspaceError` naming the first
+        constrained boundary (the embedding and the outputs of :attr:`subspace_layers`; the free blocks' outputs
+        are not checked) whose out-of-subspace component exceeds ``tol`` (default: float rounding of the stream's
+        dtype), e.g. after a user replaced a projection with a module that writes outside ``span(U)``."""
         return _check_subspace(self, idx, tol)
 
     def load_plain(self, plain: GPT | dict[str, torch.Tensor]) -> None:
@@ -380,7 +448,8 @@ class SubspaceTiedHead(nn.Module):
         return F.linear(h, self.E_fix) + F.linear(h @ self.U, self.weight)
 
 
-def _check_subspace_args(config: GPTConfig, subspace_rank: int | None, subspace_seed: int) -> None:
+def _check_subspace_args(config: GPTConfig, subspace_rank: int | None, subspace_seed: int,
+                         subspace_stages: int | None = None) -> None:
     if subspace_rank is not None:
         if isinstance(subspace_rank, bool) or not isinstance(subspace_rank, int):
             raise TypeError(f"subspace_rank must be None or an int in [1, n_embd={config.n_embd}], got "
@@ -392,12 +461,31 @@ def _check_subspace_args(config: GPTConfig, subspace_rank: int | None, subspace_
         raise TypeError(f"subspace_seed must be an int in [0, 2**63), got {type(subspace_seed).__name__}")
     if not 0 <= subspace_seed < 1 << 63:
         raise ValueError(f"subspace_seed must be an int in [0, 2**63), got {subspace_seed}")
+    if subspace_stages is not None:
+        allowed = f"None or an int in [2, n_layer={config.n_layer}] (the stages GPT.split will cut the model into)"
+        if isinstance(subspace_stages, bool) or not isinstance(subspace_stages, int):
+            raise TypeError(f"subspace_stages must be {allowed}, got {type(subspace_stages).__name__}")
+        if not 2 <= subspace_stages <= config.n_layer:
+            hint = ("; one stage has no boundary to compress: use subspace_stages=None to constrain every block, "
+                    "or subspace_rank=None" if subspace_stages == 1 else "")
+            raise ValueError(f"subspace_stages must be {allowed}, got {subspace_stages}{hint}")
 
 
-def _reparametrise(gpt: GPT, k: int, seed: int) -> None:
-    """Swap every residual-stream writer of a freshly built plain ``gpt`` for its subspace form (see :class:`GPT`).
-    New parameters are drawn from the global RNG (after the plain initialisation), ``U`` / ``E_fix`` from their
-    own seeded generators."""
+def _constrained_layers(n_layer: int, subspace_rank: int | None, subspace_stages: int | None) -> range:
+    """The blocks whose writes must stay in ``span(U)``: those before the last stage of ``split(subspace_stages)``
+    (every block when it is None), none for a plain model."""
+    if subspace_rank is None:
+        return range(0)
+    if subspace_stages is None:
+        return range(n_layer)
+    return range(stage_layers(n_layer, subspace_stages)[-1].start)
+
+
+def _reparametrise(gpt: GPT, k: int, seed: int, layers: range) -> None:
+    """Swap the residual-stream writers of a freshly built plain ``gpt`` that reach a boundary (the embeddings and
+    the blocks in ``layers``) for their subspace form (see :class:`GPT`); the other blocks stay plain. New
+    parameters are drawn from the global RNG (after the plain initialisation), ``U`` / ``E_fix`` from their own
+    seeded generators."""
     cfg = gpt.config
     U = orthonormal_basis(cfg.n_embd, k, seed)
     E_fix = fixed_embedding(cfg.vocab_size, cfg.n_embd, seed, std=0.02)
@@ -407,7 +495,7 @@ def _reparametrise(gpt: GPT, k: int, seed: int) -> None:
     t.drop = nn.Identity()  # embedding dropout acts on the coefficients inside wte / wpe
     gpt.lm_head = SubspaceTiedHead(t.wte)
     std = 0.02 / math.sqrt(2 * cfg.n_layer)
-    for block in t.h:
+    for block in (t.h[i] for i in layers):
         block.attn.c_proj = SubspaceLinear(cfg.n_embd, U, dropout=cfg.dropout)
         block.attn.resid_dropout = nn.Identity()
         block.mlp.c_proj = SubspaceLinear(4 * cfg.n_embd, U, dropout=cfg.dropout)
@@ -435,7 +523,8 @@ def _subspace_residual(gpt: GPT, idx: torch.Tensor) -> list[tuple[str, Residual]
     blocks = gpt.transformer.h
     hooks = [blocks[0].register_forward_pre_hook(lambda m, args: streams.append(("embedding", args[0])))]
     for i, block in enumerate(blocks):
-        hooks.append(block.register_forward_hook(lambda m, args, out, i=i: streams.append((f"block {i}", out))))
+        where = f"block {i}" if i in gpt.subspace_layers else f"block {i} (free)"
+        hooks.append(block.register_forward_hook(lambda m, args, out, w=where: streams.append((w, out))))
     try:
         with torch.no_grad():
             gpt(idx)
@@ -449,6 +538,8 @@ def _check_subspace(gpt: GPT, idx: torch.Tensor, tol: float | None) -> list[tupl
     codec = _subspace_codec(gpt, check=True, tol=tol)
     found = _subspace_residual(gpt, idx)
     for where, res in found:
+        if where.endswith("(free)"):
+            continue  # written after the last boundary: never sent, never constrained
         limit = codec.tol if codec.tol is not None else default_tolerance(gpt.transformer.wte.E_fix.dtype)
         if not res.max_relative <= limit:
             raise SubspaceError(
@@ -515,9 +606,10 @@ class GPTStage(nn.Module):
 
     Attributes: ``config``; ``layers`` (the global indices of the blocks held); ``wte``, ``wpe``, ``drop`` on the
     first stage; ``ln_f``, ``lm_head`` on the last; ``h`` (the blocks) on every stage; ``subspace_rank``,
-    ``subspace_seed`` (None / the model's), ``subspace_head`` (see :meth:`GPT.split`); for a subspace model the
-    buffers ``U`` (``n_embd × k``) and ``E_fix`` (``vocab_size × n_embd``), this stage's own copies, shared by its
-    modules.
+    ``subspace_seed``, ``subspace_stages`` (None / the model's), ``subspace_layers`` (the model's constrained blocks,
+    global indices), ``subspace_head`` (see :meth:`GPT.split`); for a subspace model the buffers ``U``
+    (``n_embd × k``) and ``E_fix`` (``vocab_size × n_embd``), this stage's own copies, shared by its modules (the
+    last stage keeps them for its receiving boundary even when none of its blocks writes through ``U``).
     """
 
     def __init__(self, model: GPT, index: int, stages: int, layers: range, *, subspace_head: str = "dense"):
@@ -526,6 +618,7 @@ class GPTStage(nn.Module):
         self.index, self.stages, self.layers = index, stages, layers
         self.is_first, self.is_last = index == 0, index == stages - 1
         self.subspace_rank, self.subspace_seed = model.subspace_rank, model.subspace_seed
+        self.subspace_stages, self.subspace_layers = model.subspace_stages, model.subspace_layers
         self.subspace_head = subspace_head
         t = model.transformer
         # one memo for the whole stage: tensors shared inside the model (U, E_fix, a tie) stay shared in the stage
@@ -554,7 +647,7 @@ class GPTStage(nn.Module):
                 self.wte.weight = self.lm_head.weight  # one stage: the tie is kept
 
     def subspace_codec(self, *, check: bool = True, tol: float | None = None) -> SubspaceCodec:
-        """The :class:`~fgdiloco.factor.subspace.SubspaceCodec` over this stage's ``U`` / ``E_fix`` (not copied).
+        """The :class:`~fgdiloco.pipeline.subspace.SubspaceCodec` over this stage's ``U`` / ``E_fix`` (not copied).
 
         Raises:
             RuntimeError: the stage is of a model built without ``subspace_rank``.
@@ -581,17 +674,20 @@ class GPTStage(nn.Module):
 
     def extra_repr(self) -> str:
         k = "" if self.subspace_rank is None else f", subspace_rank={self.subspace_rank}"
+        free = [i for i in self.layers if i not in self.subspace_layers]
+        if self.subspace_rank is not None and free:
+            k += f", free blocks {free[0]}..{free[-1]}"
         return f"stage {self.index} of {self.stages}, blocks {self.layers.start}..{self.layers.stop - 1}{k}"
 
 
 def activation_codec_for(model: GPT | GPTStage, *, check: bool = True, tol: float | None = None
                          ) -> SubspaceActivationCodec | None:
     """The :class:`~fgdiloco.pipeline.Pipeline` ``activation_codec`` for a :class:`GPT` or one of its
-    :class:`GPTStage` s: a :class:`~fgdiloco.factor.subspace.SubspaceActivationCodec` over its ``U`` / ``E_fix``
+    :class:`GPTStage` s: a :class:`~fgdiloco.pipeline.subspace.SubspaceActivationCodec` over its ``U`` / ``E_fix``
     for a subspace model (``c``, ``[B, T, k]``, crosses each boundary forward, ``∂L/∂c`` backward; every stage
     reads the token ids itself), ``None`` for a plain model (the stream ``[B, T, n_embd]`` travels as it is).
     ``check`` / ``tol``: the out-of-subspace check at each sending boundary (see
-    :class:`~fgdiloco.factor.subspace.SubspaceCodec`). Use it on every stage of the pipeline, e.g.
+    :class:`~fgdiloco.pipeline.subspace.SubspaceCodec`). Use it on every stage of the pipeline, e.g.
     ``Pipeline(stage, mesh, lm_loss, m, activation_codec=activation_codec_for(stage))``.
 
     Raises:
@@ -609,9 +705,11 @@ def activation_codec_for(model: GPT | GPTStage, *, check: bool = True, tol: floa
 def build_stage(config: GPTConfig, stages: int, stage: int, *, subspace_rank: int | None = None,
                 subspace_seed: int = 0, seed: int = 0, subspace_head: str = "dense") -> GPTStage:
     """Stage ``stage`` of ``stages`` of the model ``torch.manual_seed(seed); GPT(config, subspace_rank,
-    subspace_seed)`` builds (:meth:`GPT.split`), with the global RNG left as it was: every rank that calls it with
-    the same arguments gets the stage of the same model, so the stages of a replica fit together. Pair it with
-    :func:`activation_codec_for` (``Pipeline(..., activation_codec=activation_codec_for(stage))``).
+    subspace_seed, subspace_stages=stages)`` builds (:meth:`GPT.split`), with the global RNG left as it was: every
+    rank that calls it with the same arguments gets the stage of the same model, so the stages of a replica fit
+    together. A subspace model is built for this split: only what crosses a boundary is constrained, the last
+    stage's blocks write freely (``stages=1``: ``subspace_stages=None``, every block constrained, as one stage).
+    Pair it with :func:`activation_codec_for` (``Pipeline(..., activation_codec=activation_codec_for(stage))``).
 
     Args:
         config: the model's sizes (:class:`GPTConfig`).
@@ -639,7 +737,8 @@ def build_stage(config: GPTConfig, stages: int, stage: int, *, subspace_rank: in
         raise ValueError(f"subspace_head must be one of {SUBSPACE_HEADS}, got {subspace_head!r}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = GPT(config, subspace_rank=subspace_rank, subspace_seed=subspace_seed)
+        model = GPT(config, subspace_rank=subspace_rank, subspace_seed=subspace_seed,
+                    subspace_stages=stages if stages > 1 else None)
         return model.split(stages, subspace_head=subspace_head)[stage]
 
 
@@ -671,25 +770,38 @@ def fragments_of(model: GPT, n: int) -> list[nn.Module]:
     return out
 
 
-def two_stage_step(model: GPT, idx: torch.Tensor, targets: torch.Tensor, codec: SubspaceCodec | None,
-                   cut: int) -> tuple[float, int, int]:
-    """One forward + backward of ``model`` split after block ``cut`` into two simulated stages in one process (the
-    boundary through ``codec``, a subspace model's :class:`~fgdiloco.factor.SubspaceCodec`, or as it is); returns
-    ``(loss, bytes forward, bytes backward)`` of what crossed the boundary. Gradients accumulate in ``model``: the
-    same as the unsplit model's (``benchmarks/subspace.py --simulated`` trains with it)."""
-    t = model.transformer
-    pos = torch.arange(idx.shape[1])
-    x = t.drop(t.wte(idx) + t.wpe(pos))
-    for block in t.h[:cut]:
-        x = block(x)
+def two_stage_step(stages: list[GPTStage], idx: torch.Tensor, targets: torch.Tensor,
+                   codec: SubspaceCodec | None) -> tuple[float, int, int]:
+    """One forward + backward through two simulated pipeline stages (``GPT.split(2)``) in one process; returns
+    ``(loss, bytes forward, bytes backward)`` of what crossed the boundary: ``x`` and ``∂L/∂x`` (``codec=None``) or
+    ``c`` and ``∂L/∂c`` (a subspace model's codec). Gradients accumulate in the stages' parameters, as the pipeline
+    leaves them (``benchmarks/subspace.py`` trains with it)."""
+    first, last = stages
+    x = first(idx)
     sent = x if codec is None else codec.boundary_out(x, idx)  # stage 0's output
     received = sent.detach().requires_grad_()  # the wire
-    x = received if codec is None else codec.boundary_in(received, idx)
-    for block in t.h[cut:]:
-        x = block(x)
-    logits = model.lm_head(t.ln_f(x))
-    loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+    logits = last(received if codec is None else codec.boundary_in(received, idx))
+    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
     loss.backward()  # stage 1
     sent.backward(received.grad)  # stage 0, from the gradient that came back
     grad = received.grad
     return float(loss.detach()), sent.numel() * sent.element_size(), grad.numel() * grad.element_size()
+
+
+@torch.no_grad()
+def two_stage_loss(stages: list[GPTStage], codec: SubspaceCodec | None,
+                   batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Mean held-out loss over ``batches`` through two simulated stages and the codec (eval mode, restored)."""
+    for s in stages:
+        s.eval()
+    total = n = 0.0
+    for idx, tgt in batches:
+        x = stages[0](idx)
+        if codec is not None:
+            x = codec.decompress(*codec.compress(x, idx))
+        logits = stages[1](x)
+        total += float(F.cross_entropy(logits.reshape(-1, logits.size(-1)), tgt.reshape(-1), reduction="sum"))
+        n += tgt.numel()
+    for s in stages:
+        s.train()
+    return total / n

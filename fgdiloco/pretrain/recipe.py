@@ -47,7 +47,8 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> GPT:
     """The job's GPT, seeded with ``cfg.seed`` (the global generator): the same initial weights on every worker."""
     torch.manual_seed(cfg.seed)
     return GPT(GPTConfig(vocab_size=vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                         n_embd=cfg.n_embd, dropout=cfg.dropout), subspace_rank=cfg.subspace_rank)
+                         n_embd=cfg.n_embd, dropout=cfg.dropout), subspace_rank=cfg.subspace_rank,
+               subspace_stages=cfg.stages if cfg.stages > 1 else None)  # only what crosses a boundary: in U
 
 
 def eval_batches(cfg: TrainConfig, val: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:

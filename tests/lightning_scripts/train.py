@@ -47,6 +47,29 @@ def make_stage(seed: int, stage: int, stages: int) -> nn.Module:
     return nn.Sequential(*(layers[:2] if stage == 0 else layers[2:]))
 
 
+# --gpt K: a 2-block GPT in pipeline stages (K > 0: GPT(subspace_rank=K) built for its split, whose boundaries send
+# K numbers per token each way; K = 0: the plain split), on token sequences of a noisy walk over the vocabulary
+GPT_CONFIG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+
+
+def make_gpt_stage(subspace_rank: int | None, stage: int, stages: int, seed: int) -> nn.Module:
+    """Stage ``stage`` of ``stages`` of the seeded GPT (:func:`fgdiloco.pretrain.build_stage`)."""
+    from fgdiloco.pretrain import build_stage
+    from fgdiloco.pretrain.model import GPTConfig
+
+    return build_stage(GPTConfig(**GPT_CONFIG), stages, stage, subspace_rank=subspace_rank, seed=seed)
+
+
+def make_token_dataset(n: int, seed: int = 4321) -> TensorDataset:
+    """``n`` sequences of ``block_size`` token ids and their next-token targets: a walk of random steps in
+    {1, 2, 3} modulo the vocabulary, learnable from the context."""
+    g = torch.Generator().manual_seed(seed)
+    vocab, block = GPT_CONFIG["vocab_size"], GPT_CONFIG["block_size"]
+    walk = torch.randint(0, vocab, (n, 1), generator=g) + torch.randint(1, 4, (n, block + 1), generator=g).cumsum(1)
+    walk = walk % vocab
+    return TensorDataset(walk[:, :-1], walk[:, 1:])
+
+
 def make_inner_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=INNER_LR)
 
@@ -90,6 +113,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--microbatches", type=int, default=2)
     p.add_argument("--schedule", default="1f1b")
     p.add_argument("--val", action="store_true", help="validate every epoch (through pipeline_eval with --stages)")
+    p.add_argument("--gpt", type=int, default=None, metavar="K",
+                   help="with --stages: the pipelined GPT (K > 0: subspace_rank=K, its codec from the module's "
+                        "configure_activation_codec; 0: the plain split)")
+    p.add_argument("--codec-arg", action="store_true",
+                   help="with --gpt: pass the codec as the strategy's activation_codec= instead of the hook")
     args = p.parse_args(argv)
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -203,12 +231,53 @@ def main(argv: list[str] | None = None) -> None:
         def val_dataloader(self):
             return DataLoader(make_dataset(32, seed=99), batch_size=args.batch_size)
 
+    class PipelinedGPT(pl.LightningModule):
+        """The GPT under the pipeline contract; records each step's loss and the bytes its boundary sent."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.step_losses: list[float] = []
+            self.step_bytes: list[tuple[int, int]] = []
+
+        def configure_pipeline_stage(self, stage: int, stages: int) -> nn.Module:
+            return make_gpt_stage(args.gpt or None, stage, stages, args.seed)
+
+        if not args.codec_arg:
+            def configure_activation_codec(self, stage: int, stages: int):
+                from fgdiloco.pretrain import activation_codec_for
+
+                return activation_codec_for(self.pipeline_module)  # None for the plain split
+
+        def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            from fgdiloco.pretrain import lm_loss
+
+            return lm_loss(output, target)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = self.trainer.strategy.pipeline_step(x, y)
+            self.log("train_loss", loss)
+            last = self.trainer.strategy.pipeline.last_step
+            self.step_losses.append(float(loss))
+            self.step_bytes.append((last.forward_bytes_sent, last.backward_bytes_sent))
+            return loss
+
+        def configure_optimizers(self):
+            return make_inner_optimizer(self.parameters())
+
+        def train_dataloader(self):
+            return DataLoader(make_token_dataset(args.samples), batch_size=args.batch_size)
+
     if args.strategy_string:
         strategy = "fgdiloco"
     else:
         pipeline = {} if not args.stages else dict(pipeline_stages=args.stages, n_microbatches=args.microbatches,
                                                     pipeline_schedule=args.schedule)
         codec = {} if args.codec is None else {"codec": args.codec}
+        if args.codec_arg:
+            from fgdiloco.pretrain import activation_codec_for
+
+            pipeline["activation_codec"] = activation_codec_for  # called with this rank's stage
         strategy = FGDiLoCoStrategy(sync_every=args.sync_every, topology=args.topology, outer_lr=args.outer_lr,
                                     mix2_rounds=args.mix2_rounds, seed=args.seed, timeout=args.timeout, **pipeline,
                                     **codec)
@@ -236,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
         num_sanity_val_steps=0,
         **({"limit_val_batches": 0} if args.stages and not args.val else {}),
     )
-    model = PipelinedRegressor() if args.stages else Regressor()
+    model = (PipelinedGPT() if args.gpt is not None else PipelinedRegressor()) if args.stages else Regressor()
     trainer.fit(model, ckpt_path=args.resume)
 
     fgd = trainer.strategy.fgdiloco
@@ -259,6 +328,9 @@ def main(argv: list[str] | None = None) -> None:
         "replica": getattr(trainer.strategy, "replica", None),
         "stage": getattr(trainer.strategy, "stage", None),
         "pipeline": repr(trainer.strategy.pipeline) if getattr(trainer.strategy, "pipeline", None) else None,
+        "step_losses": getattr(model, "step_losses", None),
+        "step_bytes": getattr(model, "step_bytes", None),
+        "codec_needs_inputs": getattr(getattr(trainer.strategy, "pipeline", None), "codec_needs_inputs", None),
     }
     if args.validate_ckpt:
         metrics = trainer.validate(model, ckpt_path=args.validate_ckpt, verbose=False)

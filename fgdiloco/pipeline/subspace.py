@@ -1,17 +1,18 @@
 """Subspace compression of the activations between pipeline stages (Subspace Networks).
 
 After Ramasinghe et al., "Subspace Networks: Scaling Decentralized Training with Communication-Efficient Model
-Parallelism", arXiv 2506.01260 (docs/pipelines.md). In a pre-norm transformer every write into the residual stream goes
-through the token and position embeddings and each block's attention and MLP output projections. If all of them
-write only into ``span(U)`` for one fixed, seeded, orthonormal ``d × k`` basis ``U`` shared by every stage, plus a
-frozen seeded token embedding ``E_fix`` that carries the token-specific part, then at every stage boundary::
+Parallelism", arXiv 2506.01260. In a pre-norm transformer every write into the residual stream goes through the
+token and position embeddings and each block's attention and MLP output projections. If every write made *before*
+a stage boundary lands in ``span(U)`` for one fixed, seeded, orthonormal ``d × k`` basis ``U`` shared by every
+stage, plus a frozen seeded token embedding ``E_fix`` that carries the token-specific part, then at that boundary::
 
     x = E_fix[tokens] + U c          x: [..., d] residual stream,  c: [..., k] coefficients
 
 exactly. A stage sends ``c`` (k numbers per token) instead of ``x`` (d numbers per token) and the next stage
 rebuilds ``x``; backward, the previous stage needs only ``∂L/∂c = Uᵀ ∂L/∂x`` (k numbers per token). That is d/k
 compression in both directions, lossless given the reparametrisation (``fgdiloco.pretrain.model.GPT(...,
-subspace_rank=k)``); the price is the constraint on the model, which training has to absorb.
+subspace_rank=k, subspace_stages=S)``, which leaves the writes after the last boundary free); the price is the
+constraint on the model, which training has to absorb.
 
 This module holds the parts that do not depend on a model or a pipeline:
 
@@ -40,6 +41,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .codec import shape_inference
 
 __all__ = [
     "BoundaryIn",
@@ -604,8 +607,6 @@ class SubspaceActivationCodec:
     def encode(self, x: torch.Tensor, inputs: object = None) -> torch.Tensor:
         """Sending stage: ``c = Uᵀ (x − E_fix[tokens])``, ``[b, T, k]`` (differentiable; see
         :meth:`SubspaceCodec.boundary_out`). Raises :class:`SubspaceError` as described in the class docstring."""
-        from ..pipeline.codec import shape_inference
-
         tokens = _tokens_of(inputs)
         if self.codec.check and shape_inference():
             return _BoundaryOut.apply(x, *self._u_e(x, tokens))
