@@ -65,7 +65,7 @@ DESCRIPTION = ("Predict compute utilisation and wall time per round of DDP, DiLo
                "the consensus contraction of the gossip topologies; validate against measured wan.py runs when "
                "given (--wan). Writes simulate.json and two PNGs to --out and prints the predictions as tables.")
 LINK_EFFICIENCY = 0.956  # TCP payload / tbf rate at MTU 1500: 1448 / 1514 (netns check measured 0.956-0.960)
-PAIR_SETUP_S = 0.003  # private 2-rank Gloo group per exchange (PLATFORM.md: 1.6-3.4 ms)
+PAIR_SETUP_S = 0.003  # a private 2-rank Gloo group per exchange: set up in 1.6-3.4 ms on the 2-core CI machine
 METHODS = ("ddp", "diloco", "localsgd", "fgdiloco")
 
 
