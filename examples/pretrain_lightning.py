@@ -154,7 +154,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200, help="inner steps per replica")
     p.add_argument("--sync-every", type=int, default=None, help="inner steps per outer round (default: 50)")
     p.add_argument("--topology", default=None, help="random (default), exponential, ring or allreduce")
-    p.add_argument("--codec", default=None, help="Mix2 codec, e.g. dense (default) or bf16")
+    p.add_argument("--codec", default=None, help="Mix2 codec, e.g. lowrank (default), dense or bf16")
     p.add_argument("--outer-momentum", type=float, default=None,
                    help="outer Nesterov momentum (default 0.9; with only a few rounds 0.3 avoids overshooting)")
     p.add_argument("--batch-size", type=int, default=16)
