@@ -89,10 +89,11 @@ def add_pretrain_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="pretrain a small GPT on text with Factored Gossip DiLoCo (local worker processes)",
         description="Pretrain a small nanoGPT-style model on real text with Factored Gossip DiLoCo: --workers local "
                     "processes (OMP_NUM_THREADS=1) each take --steps AdamW steps and gossip every --sync-every "
-                    "steps. FG-DiLoCo with --stages 1 runs on elastic workers: each worker is its own torchrun job "
-                    "with --max-restarts, all meet on a gossip store this command serves, a dead worker is "
-                    "restarted from its checkpoint and rejoins without stopping the others. Baselines and "
-                    "--stages > 1 are not elastic (one torchelastic job: one death ends the job). Writes run.json, "
+                    "steps. FG-DiLoCo runs on elastic workers: each worker (each pipeline replica with --stages > 1) "
+                    "is its own torchrun job with --max-restarts, all meet on a gossip store this command serves "
+                    "(restarted if it dies), a dead worker is restarted from its checkpoint and rejoins without "
+                    "stopping the others. Baselines and --topology allreduce are not elastic (one torchelastic job: "
+                    "one death ends the job). Writes run.json, "
                     "metrics.jsonl (one JSON row per evaluation), summary.json, loss.png and logs/ to --out; an "
                     "elastic run also config.json (what --resume continues), the workers' reports (workers/) and "
                     "checkpoints/. With no arguments it trains on the bundled public-domain corpus in about 4 "
@@ -266,7 +267,7 @@ def _prepare_pretrain(args: argparse.Namespace, prog: str, display: _Display) ->
             cfg, out = _resume_config(args)
             note = None
             if not cfg.elastic:
-                raise PreflightError("--resume", "needs an elastic run (FG-DiLoCo, --stages 1, a gossip topology); "
+                raise PreflightError("--resume", "needs an elastic run (FG-DiLoCo with a gossip topology); "
                                                  f"the run in {out} has no checkpoints")
         else:
             out, note = choose_output(args.out if args.out is not None else TrainConfig().out,
@@ -456,6 +457,9 @@ def add_elastic_parsers(subparsers: Any) -> None:
     p.add_argument("--resume", action="store_true",
                    help="set FGDILOCO_RESUME=1 for the workers: a script that keeps checkpoints continues from them "
                         "(e.g. after the workers stopped because the gossip store was out of reach)")
+    p.add_argument("--stages", type=int, default=1,
+                   help="processes per worker: the stages of an elastic pipeline replica, one torchrun job that "
+                        "fails and restarts together (the script calls fgdiloco.elastic.init_replica_group)")
     p.add_argument("script", nargs=argparse.REMAINDER, help="train.py [ARGS] or -m MODULE [ARGS]")
     p.set_defaults(func=run_launch, subparser=p)
 
@@ -487,7 +491,8 @@ def run_launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     script = args.script[1:] if args.script[:1] == ["--"] else args.script
     try:
         failed = launch(script, args.workers, max_restarts=args.max_restarts, store=args.store, slots=args.slots,
-                        first_worker=args.first_worker, job=args.job, log_dir=args.log_dir, resume=args.resume)
+                        first_worker=args.first_worker, job=args.job, log_dir=args.log_dir, resume=args.resume,
+                        stages=args.stages)
     except ValueError as e:
         print(f"{parser.prog}: error: {_as_flag(str(e))}", file=sys.stderr)
         return 2

@@ -252,3 +252,26 @@ def test_refused_workers_and_a_store_gone_for_good_end_with_one_line_each_and_re
     got = _results(tmp_path / "res")
     assert got[0]["final_round"] == got[1]["final_round"] == max(stopped) + 4
     assert "resumed from" in _log(tmp_path, 0)
+
+
+@pytest.mark.slow
+def test_an_elastic_pipeline_replica_that_loses_a_stage_restarts_whole_and_every_replica_finishes(env, tmp_path):
+    """fgdiloco launch --stages 2: each replica is one torchrun job of its 2 stages; stage 1 of replica 1 dies at
+    round 5: torchrun restarts both of its stages (a fresh process group: init_replica_group), they resume from their
+    checkpoints, and both replicas finish every round."""
+    script = str(ROOT / "examples" / "elastic_pipeline.py")
+    cmd = [sys.executable, "-m", "fgdiloco", "launch", "--workers", "2", "--stages", "2", "--max-restarts", "2",
+           "--log-dir", str(tmp_path / "logs"), script, "--rounds", "30", "--checkpoint-dir", str(tmp_path / "ckpt"),
+           "--crash-worker", "1", "--crash-stage", "1", "--crash-round", "5", "--results", str(tmp_path / "res")]
+    said = _finish(subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True))
+    assert "2 of 2 workers finished, 1 restart(s) (worker 1: 1)" in said, said
+    res = {(w, s): json.loads((tmp_path / "res" / f"worker{w}.stage{s}.json").read_text())
+           for w in range(2) for s in range(2)}
+    assert {k: (r["life"], r["round"]) for k, r in res.items()} == {
+        (0, 0): (0, 30), (0, 1): (0, 30), (1, 0): (1, 30), (1, 1): (1, 30)}
+    for w in range(2):  # the last stage has the loss: both replicas learned
+        losses = res[(w, 1)]["losses"]
+        assert losses[-1] < 0.7 * res[(0, 1)]["losses"][0], losses
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "worker0.stage0.pt", "worker0.stage1.pt", "worker1.stage0.pt", "worker1.stage1.pt"]

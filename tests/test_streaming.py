@@ -145,15 +145,17 @@ def test_gossip_with_fragments_overlap_and_merge_preserves_the_workers_average(f
         model = make_model(seed=rank)
         opt = _opt(model, sync_every=H, fragments=fragments, overlap_steps=overlap, merge_alpha=alpha, codec=codec,
                    mix1_codec="dense", transport=hub.transport(rank), timeout=20.0, seed=seed, outer_momentum=0.5)
-        real = opt._mixer2.run
+        def recording(real):
+            def run(values, outer_round):
+                res = real(values, outer_round)
+                records[rank].append((outer_round, [v.double() for v in values],
+                                      [t.double() for t in opt.outer.theta0],
+                                      [b.double() for b in opt.outer.momentum]))
+                return res
+            return run
 
-        def recording(values, outer_round):
-            res = real(values, outer_round)
-            records[rank].append((outer_round, [v.double() for v in values],
-                                  [t.double() for t in opt.outer.theta0], [b.double() for b in opt.outer.momentum]))
-            return res
-
-        opt._mixer2.run = recording
+        for mixer in opt._mixer2s:  # one Mix2 per fragment
+            mixer.run = recording(mixer.run)
         commits = []
         real_commit = opt.outer.commit
 
@@ -253,17 +255,20 @@ def test_fragments_and_overlap_survive_a_checkpoint_mid_round():
     def run(resume_at: int | None) -> list[torch.Tensor]:
         hub = LocalHub(2)
         result: dict[int, list] = {}
+        # built here, not in the threads: torch.manual_seed is process-wide, two threads seeding at once race
+        models = {r: make_model(seed=r) for r in range(2)}
+        spare = {r: make_model(seed=7) for r in range(2)}
 
         def worker(rank: int) -> None:
             kw = dict(sync_every=H, fragments=2, overlap_steps=1, transport=hub.transport(rank), codec="lowrank",
                       timeout=20.0, topology="ring")
-            model = make_model(seed=rank)
+            model = models[rank]
             opt = _opt(model, **kw)
             for s in range(3 * H):
                 if resume_at is not None and s == resume_at:
                     state = opt.state_dict()
                     opt.close()
-                    model = make_model(seed=7)
+                    model = spare[rank]
                     opt = _opt(model, **kw)
                     opt.load_state_dict(state)
                 loss_of(model, rank, s).backward()

@@ -31,6 +31,7 @@ or by hand, on several machines::
 
 from .launch import (
     JOB_ENV,
+    LIVES_ENV,
     MIN_WORKERS_ENV,
     RESUME_ENV,
     STORE_ENV,
@@ -44,9 +45,9 @@ from .launch import (
 )
 from .membership import ElasticMembership, SlotTaken, StoreUnreachable
 from .rejoin import CATCH_UP_ROUNDS
+from .replica import init_replica_group
 from .store import GossipStore, SupervisedStore
 
-__all__ = ["AdmissionError", "CATCH_UP_ROUNDS", "JOB_ENV", "MIN_WORKERS_ENV", "RESUME_ENV", "STORE_ENV", "WORKER_ENV",
-           "WORKERS_ENV",
-           "ElasticMembership", "GossipStore", "SlotTaken", "StoreUnreachable", "SupervisedStore", "connect", "launch",
-           "settings", "torchrun_command"]
+__all__ = ["AdmissionError", "CATCH_UP_ROUNDS", "JOB_ENV", "LIVES_ENV", "MIN_WORKERS_ENV", "RESUME_ENV", "STORE_ENV",
+           "WORKER_ENV", "WORKERS_ENV", "ElasticMembership", "GossipStore", "SlotTaken", "StoreUnreachable",
+           "SupervisedStore", "connect", "init_replica_group", "launch", "settings", "torchrun_command"]

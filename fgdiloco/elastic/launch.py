@@ -178,13 +178,13 @@ def _admit(store: dist.Store, job: str, workers: int, fingerprint: bytes | None,
 
 
 def torchrun_command(script: Sequence[str], *, max_restarts: int, monitor_interval: float = 0.5,
-                     life: bool = True) -> list[str]:
-    """The command that runs one worker as its own single-process ``torchrun`` job (``--standalone``: a private
-    rendezvous on a free port, so the jobs never meet each other's agents). ``life``: through
-    :mod:`fgdiloco.elastic.life`, which counts every life torchrun starts and ends a worker that must stop for good
-    without a restart."""
+                     life: bool = True, nproc: int = 1) -> list[str]:
+    """The command that runs one worker as its own ``torchrun`` job (``--standalone``: a private rendezvous on a
+    free port, so the jobs never meet each other's agents) of ``nproc`` processes (a pipeline replica: its stages,
+    which fail and restart together). ``life``: through :mod:`fgdiloco.elastic.life`, which counts every life
+    torchrun starts and ends a worker that must stop for good without a restart."""
     shim = ["-m", "fgdiloco.elastic.life"] if life else []
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=1",
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={nproc}",
             f"--max-restarts={max_restarts}", f"--monitor-interval={monitor_interval}", *shim, *script]
 
 
@@ -207,7 +207,7 @@ def _check_launch(script: Sequence[str], workers: Any, max_restarts: Any, store:
 
 
 def _run_workers(script: Sequence[str], slots: range, base: Mapping[str, str], max_restarts: int,
-                 logs: Path | None, lives_dir: Path) -> list[int]:
+                 logs: Path | None, lives_dir: Path, stages: int = 1) -> list[int]:
     """Start one torchrun job per slot and wait for all of them; their exit codes. A worker that fails for good
     while others run is named at once. Ctrl-C reaches every agent."""
     procs: list[subprocess.Popen[bytes]] = []
@@ -217,7 +217,8 @@ def _run_workers(script: Sequence[str], slots: range, base: Mapping[str, str], m
             out = open(logs / f"worker{k}.log", "ab") if logs is not None else None  # noqa: SIM115 - closed below
             files.append(out)
             env = {**base, WORKER_ENV: str(k), LIVES_ENV: str(lives_dir / f"worker{k}.lives")}  # elastic.life's
-            procs.append(subprocess.Popen(torchrun_command(script, max_restarts=max_restarts), env=env, stdout=out,
+            cmd = torchrun_command(script, max_restarts=max_restarts, nproc=stages)
+            procs.append(subprocess.Popen(cmd, env=env, stdout=out,
                                           stderr=subprocess.STDOUT if out is not None else None))
         told: set[int] = set()
         while len(told) < len(procs):
@@ -255,7 +256,8 @@ def lives(path: Path) -> tuple[int, dict[str, Any] | None]:
     except (OSError, ValueError):
         return 0, None
     stops = [r for r in records if r.get("event") == "stop"]
-    return sum(r.get("event") == "start" for r in records), (stops[-1] if stops else None)
+    # one line per process of a life (a pipeline replica's stages share one): count torchrun's restart numbers
+    return len({r.get("restart", 0) for r in records if r.get("event") == "start"}), (stops[-1] if stops else None)
 
 
 def _report(slots: range, codes: list[int], logs: Path, max_restarts: int, address: str) -> int:
@@ -284,7 +286,7 @@ def _report(slots: range, codes: list[int], logs: Path, max_restarts: int, addre
 def launch(script: Sequence[str], workers: int, *, max_restarts: int = 3, store: str | None = None,
            slots: int | None = None, first_worker: int = 0, job: str | None = None,
            log_dir: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None,
-           resume: bool = False) -> int:
+           resume: bool = False, stages: int = 1) -> int:
     """Run ``workers`` workers of ``script`` (``["train.py", "--arg", ...]`` or ``["-m", "pkg.mod", ...]``), each
     as its own ``torchrun`` job with ``max_restarts`` restarts, until every one has ended; returns the number of
     workers that did not finish (failed for good, refused, or stopped because the gossip store was out of reach;
@@ -304,11 +306,16 @@ def launch(script: Sequence[str], workers: int, *, max_restarts: int = 3, store:
         env: extra environment for the workers (``OMP_NUM_THREADS`` defaults to 1).
         resume: set ``FGDILOCO_RESUME=1`` for the workers: a script that keeps checkpoints continues from them
             (after a stop for the store, for instance).
+        stages: processes per worker slot: an elastic pipeline replica's stages, one torchrun job that fails and
+            restarts together (the script calls :func:`~fgdiloco.elastic.init_replica_group` and builds
+            ``FGDiLoCo(..., mesh=ReplicaMesh(1, stages), elastic=True)``).
 
     Raises:
         ValueError: an argument out of range (named), or a script that is not a file.
     """
     slots = _check_launch(script, workers, max_restarts, store, slots, first_worker)
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"stages must be an int >= 1, got {stages!r}")
     served = SupervisedStore() if store is None else None
     address = served.address if served is not None else store
     base = dict(os.environ)
@@ -333,7 +340,7 @@ def launch(script: Sequence[str], workers: int, *, max_restarts: int = 3, store:
         workers_range = range(first_worker, first_worker + workers)
         try:
             codes = _run_workers(script, workers_range, base, max_restarts, logs if log_dir is not None else None,
-                                 logs)
+                                 logs, stages)
         finally:
             if served is not None:
                 served.close()

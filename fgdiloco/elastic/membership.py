@@ -182,6 +182,7 @@ class ElasticMembership(StoreMembership):
     # ------------------------------------------------------------------ rounds
     def publish_round(self, outer_round: int) -> None:
         """Tell the job that this worker starts outer round ``outer_round``."""
+        self.round_now = int(outer_round)
         with self.stores.lease() as store:
             self._published = store.add(self._key("round", self.rank), int(outer_round) - self._published)
 
@@ -271,12 +272,17 @@ class ElasticMembership(StoreMembership):
         with self._lock:
             self._seen.clear()  # heartbeats restart from 0 on a new store
 
-    def check_reachable(self) -> None:
-        """Raise :class:`StoreUnreachable` once the store has been out of reach for ``store_timeout`` seconds."""
-        if self.down_since is not None and time.monotonic() - self.down_since > self.store_timeout:
+    def too_long_away(self) -> bool:
+        """Whether the store has been out of reach for more than ``store_timeout`` seconds."""
+        return self.down_since is not None and time.monotonic() - self.down_since > self.store_timeout
+
+    def check_reachable(self, force: bool = False) -> None:
+        """Raise :class:`StoreUnreachable` once the store has been out of reach for ``store_timeout`` seconds
+        (``force``: now, another stage of this worker's replica found it so)."""
+        if force or self.too_long_away():
             where = f" at {self._address[0]}:{self._address[1]}" if self._address else ""
-            raise StoreUnreachable(f"the gossip store{where} has been out of reach for "
-                                   f"{time.monotonic() - self.down_since:.0f} s (store_timeout "
+            away = f"{time.monotonic() - self.down_since:.0f} s" if self.down_since is not None else "too long"
+            raise StoreUnreachable(f"the gossip store{where} has been out of reach for {away} (store_timeout "
                                    f"{self.store_timeout:g} s): stopping this worker")
 
     def answer_requests(self, store: dist.Store) -> int:
@@ -336,13 +342,11 @@ class ElasticMembership(StoreMembership):
         return any(self.gone(r, since) is None for r in range(self.world_size) if r != self.rank)
 
     # ------------------------------------------------------------------ joining a running job
-    def before_round(self, outer: Any) -> None:
+    def before_round(self, outer: Any, agree: Any = None) -> None:
         from .rejoin import before_round
 
         self.round_now = outer.round  # what a restarted store learns when this worker refills it
-        self.check_reachable()
-        if not self.unreachable:
-            before_round(self, outer)
+        before_round(self, outer, agree)
 
     def rejoin(self, outer: Any) -> None:
         from .rejoin import rejoin

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["CATCH_UP_ROUNDS", "before_round", "rejoin"]
@@ -32,13 +33,30 @@ log = logging.getLogger("fgdiloco")
 CATCH_UP_ROUNDS = 3
 
 
-def before_round(membership: Any, outer: Any) -> None:
-    """Before an outer round starts: join (or catch up with) the live round, then publish the round and answer
-    joiners from now on."""
+def before_round(membership: Any, outer: Any, agree: Callable[[list[int]], list[int]] | None = None) -> None:
+    """Before an outer round starts: stop when the store has been away too long, join (or catch up with) the live
+    round, then publish the round and answer joiners from now on.
+
+    ``agree``: the stages of one pipeline replica decide together (``[values] -> [their maxima]`` over the
+    replica's stages, every stage calls it at every round start): they stop together, and they enter the same round,
+    so their pipeline steps stay in step. Raises :class:`~fgdiloco.elastic.StoreUnreachable` to stop.
+    """
+    agree = agree or (lambda values: values)
     joined = getattr(membership, "_joined", False)
     behind = 1 if not joined or getattr(membership, "resync", False) else CATCH_UP_ROUNDS
+    stop = membership.too_long_away()
+    target = -1 if stop or membership.unreachable else _catch_up_target(membership, outer, behind)
+    stop_all, target = agree([int(stop), target])
+    if stop_all:
+        membership.check_reachable(force=True)
+    if target >= 0:
+        _enter(membership, outer, target, adopt=not joined and outer.fresh)
+    (final,) = agree([outer.round])
+    if final > outer.round:  # another stage of this replica entered a later round (its donor was further on)
+        outer.jump(final)
+    if membership.unreachable:
+        return
     membership.resync = False
-    _catch_up(membership, outer, behind, adopt=not joined and outer.fresh)
     membership._joined = True
     membership.serve(outer.committed_state)
     with contextlib.suppress(Exception):  # a store we cannot reach: peers see an older round
@@ -59,19 +77,29 @@ def _target(membership: Any, behind: int) -> int | None:
     return rounds[(len(rounds) - 1) // 2] if rounds else None
 
 
-def _catch_up(membership: Any, outer: Any, behind: int, adopt: bool) -> None:
+def _catch_up_target(membership: Any, outer: Any, behind: int) -> int:
+    """The round to enter now, or -1 to stay."""
     try:
         live = _target(membership, behind)
     except Exception as err:  # noqa: BLE001 - a store we cannot reach: stay where we are
         log.debug("fgdiloco: could not read the peers' rounds: %s", err)
-        return
-    if live is None or live - outer.round < behind:
-        return
+        return -1
+    return -1 if live is None or live - outer.round < behind else live
+
+
+def _enter(membership: Any, outer: Any, live: int, adopt: bool) -> None:
+    """Enter round ``live``: with a live peer's state when ``adopt`` (and one comes), else with this worker's own."""
     if adopt and _adopt(membership, outer):
         return
     log.warning("fgdiloco rank %d: joining the job at outer round %d (this worker was at round %d, step %d of it)",
                 outer.rank, live, outer.round, outer.steps_in_round)
     outer.jump(live)
+
+
+def _catch_up(membership: Any, outer: Any, behind: int, adopt: bool) -> None:
+    live = _catch_up_target(membership, outer, behind)
+    if live >= 0:
+        _enter(membership, outer, live, adopt)
 
 
 def _adopt(membership: Any, outer: Any) -> bool:

@@ -131,9 +131,10 @@ class Membership:
         return None
 
     # ---- joining a running job (elastic memberships; nothing to do in a fixed group)
-    def before_round(self, outer: Any) -> None:  # noqa: B027 - optional
+    def before_round(self, outer: Any, agree: Any = None) -> None:  # noqa: B027 - optional
         """Called by the wrapper before every outer round starts, with its :class:`~fgdiloco.outer.state.OuterState`
-        (an elastic membership joins the live round, answers joiners, publishes the round)."""
+        (an elastic membership joins the live round, answers joiners, publishes the round). ``agree``: how the
+        stages of a pipeline replica decide together (``[ints] -> [their maxima]``), or None."""
 
     def rejoin(self, outer: Any) -> None:  # noqa: B027 - optional
         """Join the job at its live round now (``FGDiLoCo.rejoin``)."""

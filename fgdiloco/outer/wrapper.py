@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -125,8 +126,8 @@ class FGDiLoCo:
         self.transport = self._connect(transport, process_group, mesh, broadcast_init)
         self.rank = self.transport.rank if self.transport else 0
         self.world_size = self.transport.world_size if self.transport else 1
-        self._build_mixers()
         self.fragments = split_fragments(self.config.fragments, self.param_names, self.params)
+        self._build_mixers()
         self.outer = OuterState(self.params, build_outer(self.config, self.params), self.fingerprint,
                                 self._mixer1.secret, self.rank, self.config.join_timeout)
         self._rounds: dict[int, Round] = {}  # fragment -> its round in flight
@@ -189,10 +190,12 @@ class FGDiLoCo:
         if not isinstance(elastic, bool):
             raise TypeError(f"elastic must be a bool, got {type(elastic).__name__}")
         if elastic:
-            taken = [n for n, v in (("process_group", process_group), ("mesh", mesh), ("transport", transport))
-                     if v is not None]
+            taken = [n for n, v in (("process_group", process_group), ("transport", transport)) if v is not None]
             if taken:
                 raise ValueError(f"elastic=True builds its own transport: drop {', '.join(taken)}")
+            if mesh is not None and mesh.replicas != 1:
+                raise ValueError(f"elastic=True takes the mesh of one replica (ReplicaMesh(1, stages): each replica "
+                                 f"its own torchrun job), got {mesh.replicas} replicas")
             if self._exact:
                 raise ValueError(f"elastic=True cannot use the exact topology {self._topology_name!r} (it needs a "
                                  "process group); use 'random', 'exponential' or 'ring'")
@@ -215,9 +218,10 @@ class FGDiLoCo:
             raise TypeError(f"broadcast_init must be a bool, got {type(broadcast_init).__name__}")
         c = self.config
         if self.elastic:
-            from ..elastic import connect
+            from ..elastic import connect, settings
 
-            return connect(timeout=c.join_timeout, liveness=c.liveness, store_timeout=c.store_timeout,
+            job = None if mesh is None else f"{settings()['job']}.stage{mesh.stage}"  # each stage gossips apart
+            return connect(job=job, timeout=c.join_timeout, liveness=c.liveness, store_timeout=c.store_timeout,
                            fingerprint=self.fingerprint, secret=job_secret())
         if transport is not None or not (process_group is not None or mesh is not None
                                          or (dist.is_available() and dist.is_initialized())):
@@ -245,8 +249,11 @@ class FGDiLoCo:
                          collective_timeout=c.collective_timeout, health=health, secret=secret, max_ratio=MAX_RATIO)
         self._mixer1 = Mixer("mix1", self.topology, self.transport, self.mix1_codec, c.mix1_rounds, self.fingerprint,
                              offset=0, resync=True, **deadlines)
-        self._mixer2 = Mixer("mix2", topo2, self.transport, self.codec, c.mix2_rounds, self.fingerprint, offset=1,
-                             **deadlines)
+        # one Mix2 per fragment: a codec keeps per-tensor state (warm starts, error feedback) for one layout
+        self._mixer2s = [Mixer("mix2", topo2, self.transport, self.codec if f == 0 else copy.deepcopy(self.codec),
+                               c.mix2_rounds, self.fingerprint, offset=1, **deadlines)
+                         for f in range(len(self.fragments))]
+        self._mixer2 = self._mixer2s[0]
         self.authenticated = secret is not None
 
     def _count_held(self) -> int:
@@ -332,7 +339,7 @@ class FGDiLoCo:
         self._check_parameters()
         rejoins = self.outer.rejoins
         if self.transport is not None:
-            self.transport.membership.before_round(self.outer)
+            self.transport.membership.before_round(self.outer, self._agree)
         if self.outer.rejoins != rejoins:  # it jumped: its rounds in flight were for other rounds; a fresh clock
             self._end_round()
             self._clock = (time.perf_counter(), 0.0)
@@ -343,13 +350,22 @@ class FGDiLoCo:
             if f not in self._rounds:
                 index = self.outer.round + (f - self.outer.round) % count  # this fragment's next outer round
                 after = max(self._rounds.values(), key=lambda r: r.index) if exact and self._rounds else None
-                self._rounds[f] = Round(self.outer, f, indices, index, self._mixer1, self._mixer2,
+                self._rounds[f] = Round(self.outer, f, indices, index, self._mixer1, self._mixer2s[f],
                                         momentum_in_mix1=c.mix_momentum or exact, exact=exact,
                                         merge_alpha=c.merge_alpha, after=after)
         if self._resume_delta is not None:  # the loaded checkpoint was taken while this round's Mix2 ran
             self._wait_mix1s()
             self._round.start_mix2(self._resume_delta)
             self._resume_delta = None
+
+    def _agree(self, values: list[int]) -> list[int]:
+        """The maxima of ``values`` over this replica's pipeline stages (an elastic pipeline replica decides its
+        joins and stops together); ``values`` itself otherwise."""
+        if self.mesh is None or self.mesh.stages == 1 or not self.elastic:
+            return values
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.mesh.pipeline_group)
+        return [int(v) for v in t.tolist()]
 
     def _end_round(self, *, keep_clock: bool = False) -> None:
         """Give up the rounds in flight (their mixes waited for and dropped, their prepared exchanges declined)."""
@@ -380,6 +396,9 @@ class FGDiLoCo:
         if self.transport is not None:
             rejoins = self.outer.rejoins
             self.transport.membership.rejoin(self.outer)
+            (final,) = self._agree([self.outer.round])
+            if final > self.outer.round:  # another stage of this pipeline replica entered a later round
+                self.outer.jump(final)
             if self.outer.rejoins != rejoins:
                 self._clock = (time.perf_counter(), 0.0)
         return self.outer.round
@@ -446,7 +465,8 @@ class FGDiLoCo:
             "world_size": self.world_size,
             "rank": self.rank,
             "fingerprint": self.fingerprint,
-            "codec": {"name": self.codec.name, "state": self.codec.state_dict()},
+            "codec": {"name": self.codec.name, "state": self.codec.state_dict(),
+                      "fragments": [m.codec.state_dict() for m in self._mixer2s[1:]]},
             "mix1_codec": {"name": self.mix1_codec.name, "state": self.mix1_codec.state_dict()},
         }
 
@@ -480,15 +500,20 @@ class FGDiLoCo:
         momentum = validate_state(state, expect=expect, outer=self.outer, names=self.param_names, model=self.model,
                                   inner=self.inner_optimizer, sync_every=self.steps_per_round)
         # Things that can still fail on their own (codec and inner optimizer internals) go first, undone on failure.
-        backup = (self.codec.state_dict(), self.mix1_codec.state_dict(), self.inner_optimizer.state_dict())
+        codecs = [m.codec for m in self._mixer2s] + [self.mix1_codec]
+        saved = [state["codec"]["state"], *state["codec"].get("fragments", []), state["mix1_codec"]["state"]]
+        if len(saved) != len(codecs):
+            raise ValueError(f"state dict has the codec states of {len(saved) - 1} fragment(s), this run has "
+                             f"{len(codecs) - 1}")
+        backup = ([c.state_dict() for c in codecs], self.inner_optimizer.state_dict())
         try:
-            self.codec.load_state_dict(state["codec"]["state"])
-            self.mix1_codec.load_state_dict(state["mix1_codec"]["state"])
+            for codec, st in zip(codecs, saved):
+                codec.load_state_dict(st)
             self.inner_optimizer.load_state_dict(state["inner"])
         except Exception as e:
-            self.codec.load_state_dict(backup[0])
-            self.mix1_codec.load_state_dict(backup[1])
-            self.inner_optimizer.load_state_dict(backup[2])
+            for codec, st in zip(codecs, backup[0]):
+                codec.load_state_dict(st)
+            self.inner_optimizer.load_state_dict(backup[1])
             raise ValueError(f"state dict's codec or inner optimizer state does not load: {type(e).__name__}: "
                              f"{e}") from e
         self._end_round()
@@ -496,7 +521,8 @@ class FGDiLoCo:
         # round: its keys are new without a generation (which would have to agree with the peers')
         if not self.elastic:
             self.outer.generation = max(self.outer.generation, int(state.get("generation", 0))) + 1
-        self._mixer1.generation = self._mixer2.generation = self.outer.generation
+        for m in [self._mixer1, *self._mixer2s]:
+            m.generation = self.outer.generation
         self.outer.load(state, momentum, self.model)
         saved = state.get("overlap_delta")
         self._resume_delta = None if saved is None else [

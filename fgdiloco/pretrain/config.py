@@ -93,7 +93,7 @@ def _with_fgdiloco_settings(cls: type) -> type:
 
 
 _RUN = "workers and pipeline"
-_ELASTIC = "elastic workers (FG-DiLoCo, --stages 1, a gossip topology)"
+_ELASTIC = "elastic workers (FG-DiLoCo with a gossip topology)"
 _INNER = "inner optimizer and batches"
 _MODEL = "model"
 _DATA = "data"
@@ -121,8 +121,8 @@ class TrainConfig:
     workers: int = _job(4, Count(1), "worker processes M = replicas x stages", _RUN)
     stages: int = _job(1, Count(1), "pipeline stages S per replica (must divide --workers, at most --n-layer): "
                        "each replica is S workers holding GPT.split(S), run with the 1F1B schedule; gossip mixes "
-                       "the same stage of the replicas. S > 1 is not elastic: one torchelastic job, one death ends "
-                       "the job", _RUN)
+                       "the same stage of the replicas. Each replica is its own torchrun job of S processes: a dead "
+                       "stage restarts its replica, the others train on", _RUN)
     microbatches: int = _job(4, Count(1), "microbatches per batch with --stages > 1 (must divide --batch-size, at "
                              "least --stages)", _RUN)
     steps: int = _job(240, Count(1), "inner optimizer steps per worker", _RUN)
@@ -306,11 +306,11 @@ class TrainConfig:
 
     @property
     def elastic(self) -> bool:
-        """Whether ``fgdiloco pretrain`` runs this configuration on elastic workers (each worker its own
-        ``torchrun`` job with restarts, :mod:`fgdiloco.elastic`): FG-DiLoCo with one stage and a gossip topology.
-        Baselines, ``stages > 1`` and the exact ``"allreduce"`` topology need one process group: one torchelastic
-        job, where one death ends the job."""
-        return self.baseline is None and self.stages == 1 and self.topology != "allreduce"
+        """Whether ``fgdiloco pretrain`` runs this configuration on elastic workers (each replica its own
+        ``torchrun`` job with restarts, :mod:`fgdiloco.elastic`; a pipeline replica's ``stages`` processes fail and
+        restart together): FG-DiLoCo with a gossip topology. Baselines and the exact ``"allreduce"`` topology need
+        one process group: one torchelastic job, where one death ends the job."""
+        return self.baseline is None and self.topology != "allreduce"
 
     @property
     def rounds(self) -> int:

@@ -371,18 +371,17 @@ def launch(cfg: TrainConfig, *, on_row: Callable[[dict[str, Any]], Any] | None =
            on_start: Callable[[], Any] | None = None, resume: bool = False) -> dict[str, Any]:
     """Run the job on ``cfg.workers`` local worker processes and return its summary.
 
-    An elastic configuration (:attr:`TrainConfig.elastic`: FG-DiLoCo, one stage, a gossip topology) runs on
-    elastic workers (:func:`launch_elastic`: each worker its own ``torchrun`` job with ``cfg.max_restarts``
-    restarts; a dead worker never ends the job; ``resume``: continue from every worker's checkpoint). Any other
-    (baselines, ``stages > 1``, ``"allreduce"``) runs as one torchelastic job (:func:`launch_group`), where one
-    worker's death ends the job.
+    An elastic configuration (:attr:`TrainConfig.elastic`: FG-DiLoCo with a gossip topology) runs on elastic
+    workers (:func:`launch_elastic`: each worker, or each pipeline replica, its own ``torchrun`` job with
+    ``cfg.max_restarts`` restarts; a dead worker never ends the job; ``resume``: continue from every worker's
+    checkpoint). Any other (baselines, ``"allreduce"``) runs as one torchelastic job (:func:`launch_group`), where
+    one worker's death ends the job.
     """
     if cfg.elastic:
         return launch_elastic(cfg, on_row=on_row, on_start=on_start, resume=resume)
     if resume:
-        raise ValueError("resume needs an elastic run (FG-DiLoCo with --stages 1 and a gossip topology); "
-                         f"baseline={cfg.baseline!r}, stages={cfg.stages}, topology={cfg.topology!r} has no "
-                         "checkpoints")
+        raise ValueError("resume needs an elastic run (FG-DiLoCo with a gossip topology); "
+                         f"baseline={cfg.baseline!r}, topology={cfg.topology!r} has no checkpoints")
     return launch_group(cfg, on_row=on_row, on_start=on_start)
 
 
@@ -505,18 +504,23 @@ def _failure_reason(log: Path, code: int) -> str:
     return errors[-1].strip() if errors else f"exited with status {last}"
 
 
-def _prepare_resume(out: Path, workers: int) -> tuple[int, int]:
+def _prepare_resume(out: Path, workers: int, stages: int = 1) -> tuple[int, int]:
     """Cut every worker's report file back to its checkpoint's round (a resumed worker continues from there);
-    returns the lowest and the highest checkpoint round.
+    returns the lowest and the highest checkpoint round. ``stages > 1``: ``workers`` pipeline replicas, a checkpoint
+    per stage (the replica's report follows its last stage's).
 
     Raises:
-        PreflightError: a worker has no checkpoint (``--resume`` names the folder).
+        PreflightError: a worker (or a stage of one) has no checkpoint (``--resume`` names the folder).
     """
     import json
 
     import torch
 
-    missing = [k for k in range(workers) if not checkpoint_path(out, k).is_file()]
+    def ckpt(k: int) -> Path:
+        return checkpoint_path(out, k, None if stages == 1 else stages - 1)
+
+    missing = [k for k in range(workers) if not all(checkpoint_path(out, k, None if stages == 1 else s).is_file()
+                                                    for s in range(stages))]
     if missing:
         raise PreflightError("--resume", f"needs a checkpoint of every worker in {out / 'checkpoints'}, but "
                                          f"worker{'s' if len(missing) > 1 else ''} {missing} "
@@ -524,7 +528,7 @@ def _prepare_resume(out: Path, workers: int) -> tuple[int, int]:
                                          "--checkpoint-every rounds)")
     rounds = []
     for k in range(workers):
-        rnd = int(torch.load(checkpoint_path(out, k), map_location="cpu", weights_only=False)["round"])
+        rnd = int(torch.load(ckpt(k), map_location="cpu", weights_only=False)["round"])
         rounds.append(rnd)
         path = rows_path(out, k)
         kept = []
@@ -546,8 +550,9 @@ def launch_elastic(cfg: TrainConfig, *, on_row: Callable[[dict[str, Any]], Any] 
                    on_start: Callable[[], Any] | None = None, resume: bool = False) -> dict[str, Any]:
     """Run ``cfg.workers`` elastic workers (docs/faults.md) and return the run's summary.
 
-    This process serves the gossip store (:class:`fgdiloco.elastic.GossipStore`) and starts every worker slot as
-    its own single-process ``torchrun`` job (:func:`fgdiloco.elastic.torchrun_command`, ``--max-restarts
+    This process serves the gossip store (:class:`fgdiloco.elastic.SupervisedStore`: restarted when it dies) and
+    starts every worker slot (every pipeline replica with ``cfg.stages > 1``: its stages fail and restart
+    together) as its own ``torchrun`` job (:func:`fgdiloco.elastic.torchrun_command`, ``--max-restarts
     cfg.max_restarts``) running :mod:`fgdiloco.pretrain.elastic_worker` on ``<out>/config.json``; worker k's
     output (its agent's too) goes to ``<out>/logs/worker<k>.log``. A worker that dies is restarted by its agent,
     continues from its checkpoint (or the seeded init) and rejoins at the live round; the others never stop for
@@ -564,7 +569,7 @@ def launch_elastic(cfg: TrainConfig, *, on_row: Callable[[dict[str, Any]], Any] 
             stopped, the complete rows written (:func:`finish_interrupted` summarises them).
     """
     if not cfg.elastic:
-        raise ValueError("launch_elastic runs FG-DiLoCo with stages=1 and a gossip topology; use launch_group")
+        raise ValueError("launch_elastic runs FG-DiLoCo with a gossip topology; use launch_group")
     cfg = dataclasses.replace(cfg, run_id=cfg.run_id or uuid.uuid4().hex[:12], quiet=True)
     cfg.validate()
     quiet_until, start_round = _prepare_elastic_folder(cfg, resume)
@@ -587,10 +592,10 @@ def _prepare_elastic_folder(cfg: TrainConfig, resume: bool) -> tuple[int, int]:
     out = Path(cfg.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     (out / "workers").mkdir(parents=True, exist_ok=True)
-    quiet_until, start_round = _prepare_resume(out, cfg.workers) if resume else (-1, 0)
+    quiet_until, start_round = _prepare_resume(out, cfg.replicas, cfg.stages) if resume else (-1, 0)
     stale = [out / "summary.json", out / "loss.png", out / "metrics.jsonl", stop_path(out)]  # rebuilt from reports
     if not resume:
-        stale += [rows_path(out, k) for k in range(cfg.workers)]
+        stale += [rows_path(out, k) for k in range(cfg.replicas)]
     for path in stale:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
@@ -603,15 +608,15 @@ class _ElasticRun:
     the merge of their reports into ``metrics.jsonl`` (and ``run.json``, from the first worker's start)."""
 
     def __init__(self, cfg: TrainConfig, on_row: Callable[[dict[str, Any]], Any] | None, quiet_until: int):
-        from ..elastic import GossipStore
+        from ..elastic import SupervisedStore
         from .merge import Merger
 
         self.cfg, self.out, self.on_row, self.quiet_until = cfg, Path(cfg.out), on_row, quiet_until
-        self.merger = Merger(self.out / "workers", cfg.workers, eval_points(cfg), sync_every=cfg.sync_every,
+        self.merger = Merger(self.out / "workers", cfg.replicas, eval_points(cfg), sync_every=cfg.sync_every,
                              steps=cfg.steps)
         self.metrics = open(self.out / "metrics.jsonl", "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self.wrote_info = False
-        self.store = GossipStore("127.0.0.1", 0)
+        self.store = SupervisedStore("127.0.0.1", 0)  # restarted on the same port when it dies
         self.procs: list[Any] = []
         self.logs: list[Any] = []
         self.saved_term = signal.getsignal(signal.SIGTERM)
@@ -656,22 +661,32 @@ class _ElasticRun:
     def _start_workers(self, start_round: int) -> None:
         import subprocess
 
-        from ..elastic import JOB_ENV, MIN_WORKERS_ENV, STORE_ENV, WORKER_ENV, WORKERS_ENV, torchrun_command
+        from ..elastic import (
+            JOB_ENV,
+            LIVES_ENV,
+            MIN_WORKERS_ENV,
+            STORE_ENV,
+            WORKER_ENV,
+            WORKERS_ENV,
+            torchrun_command,
+        )
         from .elastic_worker import START_ROUND_ENV
 
         cfg = self.cfg
         env = dict(os.environ)
         env.update({"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", STORE_ENV: self.store.address,
-                    WORKERS_ENV: str(cfg.workers), MIN_WORKERS_ENV: str(cfg.workers), JOB_ENV: "pretrain"})
+                    WORKERS_ENV: str(cfg.replicas), MIN_WORKERS_ENV: str(cfg.replicas), JOB_ENV: "pretrain"})
         env.pop("TORCHELASTIC_RESTART_COUNT", None)
         env[START_ROUND_ENV] = str(start_round)  # resumed workers all start there (their checkpoints may differ)
         cmd = torchrun_command(["-m", "fgdiloco.pretrain.elastic_worker", str(self.out / "config.json")],
-                               max_restarts=cfg.max_restarts)
-        for k in range(cfg.workers):
+                               max_restarts=cfg.max_restarts, nproc=cfg.stages)  # a replica's stages: one job
+        for k in range(cfg.replicas):
+            lives = self.out / "logs" / f"worker{k}.lives"
+            lives.unlink(missing_ok=True)  # this launch's lives
             f = open(self.out / "logs" / f"worker{k}.log", "ab")  # noqa: SIM115 - closed in close()
             self.logs.append(f)
-            self.procs.append(subprocess.Popen(cmd, env={**env, WORKER_ENV: str(k)}, stdout=f,
-                                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+            self.procs.append(subprocess.Popen(cmd, env={**env, WORKER_ENV: str(k), LIVES_ENV: str(lives)},
+                                               stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
 
     def _stop_workers(self, sig: int) -> None:
         import subprocess
@@ -703,9 +718,18 @@ def _elastic_summary(cfg: TrainConfig, merger: Any, codes: list[int], resume: bo
     Raises:
         WorkerFailed: every worker failed for good, or none reported anything (the lowest slot's cause and log).
     """
+    from ..elastic.launch import lives
+
     out = Path(cfg.out)
     logs = out / "logs"
     lost = [k for k, c in enumerate(codes) if c != 0]
+    per = [lives(logs / f"worker{k}.lives") for k in range(len(codes))]
+    store_gone = [k for k, (_, stop) in enumerate(per) if stop is not None and stop.get("kind") == "store"]
+    if store_gone:
+        raise WorkerFailed(store_gone[0], f"the gossip store was out of reach for more than {cfg.store_timeout:g} s "
+                                          f"(store_timeout): workers {store_gone} stopped with their checkpoints; "
+                                          f"continue with fgdiloco pretrain --resume --out {out}",
+                           logs / f"worker{store_gone[0]}.log", traceback=False)
     if len(lost) == len(codes) or not merger.merged:
         k = lost[0] if lost else 0
         reason = _failure_reason(logs / f"worker{k}.log", codes[k])
@@ -719,7 +743,7 @@ def _elastic_summary(cfg: TrainConfig, merger: Any, codes: list[int], resume: bo
         "train_seconds": last["train_seconds"],
         "eval_seconds": last["wall_seconds"] - last["train_seconds"],
         "peak_rss_bytes": merger.peak_rss_bytes,
-        "restarts": merger.restarts,
+        "restarts": max(merger.restarts, sum(max(n - 1, 0) for n, _ in per)),  # every life torchrun started
         "rejoins": len(merger.rejoin_events),
         "rejoin_events": merger.rejoin_events,
         "workers_lost": [{"worker": k, "reason": _failure_reason(logs / f"worker{k}.log", codes[k]),

@@ -140,6 +140,9 @@ class Merger:
         )
         for key in _LOWEST_ONLY:
             row[key] = first.get(key)
+        if any("activation_bytes_sent" in x for x in rs):  # pipeline replicas: their stages' means
+            row.update(activation_bytes_sent_per_worker_so_far=mean("activation_bytes_sent"),
+                       pipeline_bubble_so_far=mean("pipeline_bubble"))
         row.update(
             workers_reporting=len(reporters),
             eval_worker=reporters[0],

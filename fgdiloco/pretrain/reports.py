@@ -46,6 +46,7 @@ EVENTS: dict[str, str] = {
 #: Round statistics a worker's row carries as they are.
 _ROUND_KEYS = ("utilisation", "bytes_sent", "mix2_seconds", "mix1_wait_seconds", "mix1_seconds", "round_seconds",
                "consensus_distance", "failed_exchanges", "skipped_exchanges")
+_PIPELINE_KEYS = ("activation_bytes_sent", "pipeline_bubble")
 
 
 def _all_sum(values: list[float], world: int) -> list[float]:
@@ -251,6 +252,9 @@ class WorkerEvents(Reporter):
                "rejoins": self.sync.rejoins_total, "peak_rss_bytes": peak_rss_bytes(), "over_max_seconds": over}
         for key in _ROUND_KEYS:
             row[key] = point.stats[key] if point.stats else None
+        for key in _PIPELINE_KEYS:  # a pipeline replica's (this life's total, its stages' mean)
+            if point.stats and key in point.stats:
+                row[key] = point.stats[key]
         if cfg.net_counters:
             row.update(net_tx_bytes=net[0] - self._net0[0], net_rx_bytes=net[1] - self._net0[1])
         self.emit("row", **row)

@@ -146,9 +146,10 @@ def rows_path(out: str | os.PathLike[str], worker: int) -> Path:
     return Path(out) / "workers" / f"worker{worker}.jsonl"
 
 
-def checkpoint_path(out: str | os.PathLike[str], worker: int) -> Path:
-    """``<out>/checkpoints/worker<k>.pt``: elastic worker ``k``'s newest complete checkpoint."""
-    return Path(out) / "checkpoints" / f"worker{worker}.pt"
+def checkpoint_path(out: str | os.PathLike[str], worker: int, stage: int | None = None) -> Path:
+    """``<out>/checkpoints/worker<k>.pt``: elastic worker ``k``'s newest complete checkpoint
+    (``worker<k>.stage<s>.pt``: stage ``s`` of pipeline replica ``k``)."""
+    return Path(out) / "checkpoints" / (f"worker{worker}.pt" if stage is None else f"worker{worker}.stage{stage}.pt")
 
 
 def stop_path(out: str | os.PathLike[str]) -> Path:

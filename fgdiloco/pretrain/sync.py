@@ -8,7 +8,9 @@ the others.
   through its stages with the 1F1B schedule, gradients are clipped by the whole replica's norm, the loss comes from
   the last stage;
 * :class:`ElasticFGDiLoCo`: FG-DiLoCo as one worker of an elastic job: it continues from its checkpoint, rejoins the
-  live round, and saves a checkpoint every ``checkpoint_every`` rounds.
+  live round, and saves a checkpoint every ``checkpoint_every`` rounds;
+* :class:`ElasticPipelineStage`: one stage of a replica of an elastic pipeline job (the replica fails and restarts
+  as a whole; each stage gossips with its own stage of the other replicas).
 
 :func:`group_synchroniser` picks the one a group worker's configuration asks for. Round statistics: FG-DiLoCo's are
 ``RoundStats.as_dict()``; the baselines' carry the same keys (``utilisation``: seconds not blocked in communication
@@ -31,8 +33,8 @@ from .config import TrainConfig
 from .loop import Batch, Clock, Layout, Loop, Periodic, RoundEnd, Synchroniser
 from .recipe import Batches
 
-__all__ = ["CHECKPOINT_FORMAT", "DDP", "ElasticFGDiLoCo", "FGDiLoCoSync", "LocalSGD", "PipelineStage",
-           "group_synchroniser"]
+__all__ = ["CHECKPOINT_FORMAT", "DDP", "ElasticFGDiLoCo", "ElasticPipelineStage", "FGDiLoCoSync", "LocalSGD",
+           "PipelineStage", "group_synchroniser"]
 
 #: Version of the checkpoint files :class:`ElasticFGDiLoCo` writes.
 CHECKPOINT_FORMAT = 1
@@ -174,22 +176,21 @@ class FGDiLoCoSync(Synchroniser):
         self.opt.close()
 
 
-class PipelineStage(FGDiLoCoSync):
-    """FG-DiLoCo on one stage of a replica's pipeline (``mesh``): gossip among the same stage of the replicas, the
-    replica's batch through its stages (:class:`fgdiloco.pipeline.Pipeline`, 1F1B, ``microbatches``), a subspace
-    model's boundaries sending its k coefficients per token; gradients clipped by the norm of the whole replica."""
+class _Pipelined:
+    """The pipeline part of a stage's synchroniser: the replica's batch through its stages
+    (:class:`fgdiloco.pipeline.Pipeline`, 1F1B, ``microbatches``), a subspace model's boundaries sending its k
+    coefficients per token, gradients clipped by the norm of the whole replica, evaluation through the stages."""
 
-    def __init__(self, model: torch.nn.Module, inner: torch.optim.Optimizer, config: FGDiLoCoConfig, *,
-                 grad_clip: float, mesh: Any, microbatches: int):
+    model: torch.nn.Module
+    grad_clip: float
+
+    def _init_pipeline(self, mesh: Any, microbatches: int) -> None:
         from ..pipeline import Pipeline
         from .model import activation_codec_for, lm_loss
 
-        layout = Layout(mesh.replicas * mesh.stages, mesh.stages, holds_loss=mesh.is_last_stage,
-                        reports_loss=mesh.is_last_stage and mesh.replica == 0)
-        super().__init__(model, inner, config, grad_clip=grad_clip, layout=layout, mesh=mesh)
         self.mesh = mesh
-        self.pipe = Pipeline(model, mesh, lm_loss, n_microbatches=microbatches, schedule="1f1b",
-                             activation_codec=activation_codec_for(model))
+        self.pipe = Pipeline(self.model, mesh, lm_loss, n_microbatches=microbatches, schedule="1f1b",
+                             activation_codec=activation_codec_for(self.model))
         self._bubble = 0.0  # sum of the steps' bubble fractions
 
     def backward(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
@@ -214,6 +215,18 @@ class PipelineStage(FGDiLoCoSync):
         steps = self.pipe.steps
         return {"activation_bytes_sent": float(self.pipe.activation_bytes_sent_total),
                 "pipeline_bubble": self._bubble / steps if steps else 0.0}
+
+
+class PipelineStage(_Pipelined, FGDiLoCoSync):
+    """FG-DiLoCo on one stage of a replica's pipeline (``mesh``): gossip among the same stage of the replicas, the
+    replica's batch through its stages (:class:`_Pipelined`)."""
+
+    def __init__(self, model: torch.nn.Module, inner: torch.optim.Optimizer, config: FGDiLoCoConfig, *,
+                 grad_clip: float, mesh: Any, microbatches: int):
+        layout = Layout(mesh.replicas * mesh.stages, mesh.stages, holds_loss=mesh.is_last_stage,
+                        reports_loss=mesh.is_last_stage and mesh.replica == 0)
+        FGDiLoCoSync.__init__(self, model, inner, config, grad_clip=grad_clip, layout=layout, mesh=mesh)
+        self._init_pipeline(mesh, microbatches)
 
 
 def clip_replica_gradients(params: list[torch.Tensor], max_norm: float, group: Any) -> None:
@@ -259,8 +272,9 @@ class ElasticFGDiLoCo(FGDiLoCoSync):
     """
 
     def __init__(self, model: torch.nn.Module, inner: torch.optim.Optimizer, config: FGDiLoCoConfig, *,
-                 grad_clip: float, checkpoint: Path, run_id: str | None, worker: int, checkpoint_every: int):
-        super().__init__(model, inner, config, grad_clip=grad_clip, elastic=True)
+                 grad_clip: float, checkpoint: Path, run_id: str | None, worker: int, checkpoint_every: int,
+                 **wrapper: Any):
+        FGDiLoCoSync.__init__(self, model, inner, config, grad_clip=grad_clip, elastic=True, **wrapper)
         self.checkpoint = Path(checkpoint)
         self.run_id, self.worker, self.checkpoint_every = run_id, worker, checkpoint_every
         self.rejoins_total = 0
@@ -298,7 +312,7 @@ class ElasticFGDiLoCo(FGDiLoCoSync):
         self.opt.rejoin()  # a restarted or resumed worker joins the job's live round (at the start: nobody is ahead)
         if self.opt.round != frm:
             self._move = (frm, self.opt.round)
-        return self.opt.round * self.opt.sync_every
+        return self.opt.round * self.opt.steps_per_round
 
     def moved(self) -> tuple[int, int] | None:
         move = super().moved()
@@ -317,6 +331,24 @@ class ElasticFGDiLoCo(FGDiLoCoSync):
             r = self.opt.round
             _save_checkpoint(self.checkpoint, {
                 "format": CHECKPOINT_FORMAT, "run_id": self.run_id, "worker": self.worker, "round": r,
-                "step": min(r * loop.sync_every, loop.steps), "fgdiloco": self.opt.state_dict(),
+                "step": min(r * self.opt.steps_per_round, loop.steps), "fgdiloco": self.opt.state_dict(),
                 "batches": loop.batches.generator.get_state(), "wall_seconds": loop.clock.wall(),
                 "eval_seconds": loop.clock.excluded_seconds, "rejoins": self.rejoins_total, "time": time.time()})
+
+
+class ElasticPipelineStage(_Pipelined, ElasticFGDiLoCo):
+    """One stage of a replica of an elastic pipeline job: the replica is one torchrun job of ``stages`` processes
+    (``mesh = ReplicaMesh(1, stages)`` over its group), the unit that fails and restarts together; this stage
+    gossips with the same stage of the other replicas (``FGDiLoCo(..., mesh=mesh, elastic=True)``: a job of its own
+    on the store per stage), keeps its own checkpoint, and joins the live round together with its replica's other
+    stages."""
+
+    def __init__(self, model: torch.nn.Module, inner: torch.optim.Optimizer, config: FGDiLoCoConfig, *,
+                 grad_clip: float, checkpoint: Path, run_id: str | None, worker: int, checkpoint_every: int,
+                 mesh: Any, microbatches: int, replicas: int):
+        layout = Layout(replicas * mesh.stages, mesh.stages, holds_loss=mesh.is_last_stage,
+                        reports_loss=mesh.is_last_stage)
+        ElasticFGDiLoCo.__init__(self, model, inner, config, grad_clip=grad_clip, checkpoint=checkpoint,
+                                 run_id=run_id, worker=worker, checkpoint_every=checkpoint_every, mesh=mesh,
+                                 layout=layout)
+        self._init_pipeline(mesh, microbatches)
