@@ -417,6 +417,7 @@ def _terminated(rank: int, world: int, rounds: int, at: int) -> dict:
     return {"rounds": opt.round, "blocked": blocked, "errors": errors}
 
 
+@pytest.mark.slow
 def test_a_worker_stopped_by_sigterm_announces_its_departure(tmp_path):
     rounds, at = 7, 2
     res = run_ranks(_terminated, 3, tmp_path, rounds, at, timeout=120, allow_missing=(2,), store="tcp")

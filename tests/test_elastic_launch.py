@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test here runs fgdiloco launch and its torchrun agents
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "examples" / "elastic_gpt.py")
 # a tiny GPT; H = 10 keeps a round (~2 s here) long against the 5 s liveness timeout a death costs its partner

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -18,6 +19,7 @@ from tests.reference import INNER_LR, loss_of, make_model
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_runs_under_torchrun(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

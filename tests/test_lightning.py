@@ -188,6 +188,7 @@ def _plain_wrapper(rank: int, world: int, samples: int, batch_size: int, epochs:
     return rounds, flat_params(model)
 
 
+@pytest.mark.slow
 def test_allreduce_replicas_agree_every_round_and_equal_the_plain_wrapper(tmp_path):
     # 80 samples / (2 ranks x 8) = 5 steps per epoch; 3 epochs = 15 steps = 3 rounds of 4 + 3 steps of a 4th round
     args = ("--topology", "allreduce", "--sync-every", "4", "--samples", "80", "--max-epochs", "3")
@@ -205,6 +206,7 @@ def test_allreduce_replicas_agree_every_round_and_equal_the_plain_wrapper(tmp_pa
         torch.testing.assert_close(ranks[r]["final_params"], reference[r][1], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_slow_replica_does_not_slow_the_others_between_rounds(tmp_path):
     args = ("--sync-every", "10", "--samples", "480", "--slow-rank", "1", "--slow-ms", "50")  # 30 steps
     ranks = _launch(tmp_path / "out", *args, devices=2)
@@ -219,6 +221,7 @@ def test_slow_replica_does_not_slow_the_others_between_rounds(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["accumulate", "manual"])
+@pytest.mark.slow
 def test_rounds_count_optimizer_steps_and_scheduler_steps(tmp_path, mode):
     # 192 samples / (2 ranks x 8) = 12 batches per rank
     extra = ("--accumulate", "2") if mode == "accumulate" else ("--manual",)
@@ -235,6 +238,7 @@ def _read_csv(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow
 def test_epoch_end_checkpoints_are_complete_when_the_ranks_epochs_differ_in_length(tmp_path):
     """Rank 0 trains 12 steps per epoch, rank 1 9 (no DistributedSampler): ModelCheckpoint names each epoch-end
     checkpoint after the rank's own step, so rank 1's part must go beside rank 0's file, and old ones must be
@@ -251,6 +255,7 @@ def test_epoch_end_checkpoints_are_complete_when_the_ranks_epochs_differ_in_leng
     assert again[0]["global_step"] == 36 and again[1]["global_step"] == 24 + 9
 
 
+@pytest.mark.slow
 def test_four_replicas_default_strategy_resume_and_monitor(tmp_path):
     """4 processes with ``strategy="fgdiloco"`` (defaults: H=50, random gossip). 2400 samples / (4 x 8) = 75 steps
     per epoch, so the epoch-end checkpoint falls 25 steps into round 1. The resumed run must give the same

@@ -52,6 +52,7 @@ def _split(flat: torch.Tensor, stage: int) -> torch.Tensor:
     return flat[:STAGE0] if stage == 0 else flat[STAGE0:]
 
 
+@pytest.mark.slow
 def test_two_by_two_equals_diloco_of_the_unsplit_model_and_resumes_the_same_trajectory(tmp_path):
     """4 processes = 2 replicas x 2 stages, exact all-reduce outer rounds. 96 samples / (2 replicas x 8) = 6 steps
     per epoch; 2 epochs = 12 steps = rounds at steps 5 and 10, then 2 steps into round 3 (replicas differ).
@@ -113,6 +114,7 @@ def test_two_by_two_equals_diloco_of_the_unsplit_model_and_resumes_the_same_traj
         torch.testing.assert_close(resumed[rank]["final_params"], full[rank]["final_params"], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_and_a_resume_with_other_pipeline_stages(tmp_path):
     """``accumulate_grad_batches=2`` of batches of 4 (2 microbatches of 2) is the plain unsplit DiLoCo with batches
     of 8: the pipeline's gradients survive Lightning's ``zero_grad`` and add up like its own backward. The 2 x 2
@@ -131,6 +133,7 @@ def test_gradient_accumulation_and_a_resume_with_other_pipeline_stages(tmp_path)
         _launch(tmp_path / "again", *common, "--resume", str(tmp_path / "ckpt" / "epoch=0.ckpt"), devices=4)
 
 
+@pytest.mark.slow
 def test_manual_optimisation_through_pipeline_step(tmp_path):
     """Manual optimisation: ``pipeline_step``, a no-op ``manual_backward`` (hooks only), ``opt.step()``: the same
     rounds as the plain unsplit DiLoCo."""
@@ -187,6 +190,7 @@ def _gpt_pipeline_reference(rank: int, world: int, samples: int, batch_size: int
 
 
 @pytest.mark.parametrize("how", ["hook", "argument"])
+@pytest.mark.slow
 def test_subspace_gpt_pipeline_sends_k_over_d_of_the_bytes_and_equals_the_plain_pipeline(tmp_path, how):
     """A 2 x 2 Lightning pipeline of ``GPT(subspace_rank=K)`` built for its 2 stages, its activation codec from
     the module's ``configure_activation_codec`` (or the strategy's ``activation_codec=activation_codec_for``):

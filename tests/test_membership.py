@@ -103,6 +103,7 @@ def test_connect_waits_a_bounded_time_for_the_first_workers_and_names_the_missin
     got[1].close()
 
 
+@pytest.mark.slow
 def test_a_second_process_on_a_held_slot_is_refused_and_a_restart_or_a_dead_holders_slot_is_taken(store,
                                                                                                   monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")

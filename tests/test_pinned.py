@@ -10,8 +10,10 @@ import pytest
 
 from tests import pinned
 
-# bit-for-bit reproducible on one machine (1 thread per rank); the tolerance only absorbs the last printed digit
-RTOL = 1e-9
+# bit-for-bit reproducible on one machine (1 thread per rank), but not across CPUs: float32 kernels (AVX2 or
+# AVX-512, fused or not) round differently, 1e-7 relative at the first round on another machine. A change of
+# behaviour (an update order, a missed step, a codec's state) moves these numbers by 1e-3 or more.
+RTOL = 1e-5
 
 
 def _close(got: float | None, want: float | None) -> bool:
@@ -38,10 +40,12 @@ def test_trajectory_is_pinned(tmp_path, name):
     _compare(name, pinned.RUNS[name](str(tmp_path)))
 
 
+@pytest.mark.slow
 def test_lightning_trajectory_is_pinned(tmp_path):
     _compare("lightning", pinned.lightning(str(tmp_path)))
 
 
 @pytest.mark.parametrize("name", ["pretrain_group", "pretrain_elastic"])
+@pytest.mark.slow
 def test_pretrain_trajectory_is_pinned(tmp_path, name):
     _compare(name, pinned.RUNS[name](str(tmp_path)))

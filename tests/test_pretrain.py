@@ -482,6 +482,7 @@ def _unwritable(tmp_path: Path) -> Path:
     return ro / "out"
 
 
+@pytest.mark.slow
 def test_bad_input_is_refused_in_one_line_naming_the_option_before_any_worker_starts(tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("A hundred bytes of text are far too few tokens for one window of 129 tokens. " * 1)
@@ -513,6 +514,7 @@ def test_bad_input_is_refused_in_one_line_naming_the_option_before_any_worker_st
     assert (earlier / "summary.json").read_text() == "{}"
 
 
+@pytest.mark.slow
 def test_launch_through_the_cli_and_a_second_run_gets_its_own_folder(tmp_path):
     cache = str(tmp_path / "cache")
     first = _fgdiloco("pretrain", *TINY, "--steps", "6", "--sync-every", "3", "--cache-dir", cache, cwd=tmp_path)
@@ -565,6 +567,7 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+@pytest.mark.slow
 def test_ctrl_c_after_round_1_stops_the_workers_and_leaves_an_interrupted_summary(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "fgdiloco", "pretrain", *TINY, "--steps", "100000", "--sync-every", "3",
@@ -608,6 +611,7 @@ def _worker_pids(parent: int) -> list[int]:
     return pids
 
 
+@pytest.mark.slow
 def test_when_every_worker_is_killed_for_good_the_failure_is_one_line_with_the_likely_cause(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "fgdiloco", "pretrain", *TINY, "--steps", "100000", "--sync-every", "3",
@@ -634,6 +638,7 @@ def test_when_every_worker_is_killed_for_good_the_failure_is_one_line_with_the_l
     assert Path(lines[0].rsplit("(its log: ", 1)[1].rstrip(")")) == out / "logs" / "worker0.log"
 
 
+@pytest.mark.slow
 def test_the_root_cause_of_a_failed_job_is_the_raising_or_killed_worker(tmp_path):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 

@@ -55,6 +55,7 @@ def _finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
             proc.wait()
 
 
+@pytest.mark.slow
 def test_a_worker_killed_from_outside_is_restarted_and_rejoins_while_the_others_train_on(tmp_path):
     out = tmp_path / "run"
     # long enough that the survivors are still training when worker 3 is back (its restart, importing torch,
@@ -123,6 +124,7 @@ def test_a_worker_killed_from_outside_is_restarted_and_rejoins_while_the_others_
     assert max(gaps) < 15, gaps
 
 
+@pytest.mark.slow
 def test_resume_continues_a_stopped_run_from_every_workers_checkpoint(tmp_path, capsys):
     out = tmp_path / "run"
     common = ["--quiet", "--cache-dir", str(tmp_path / "cache")]

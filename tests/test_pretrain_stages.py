@@ -129,6 +129,7 @@ def test_allreduce_keeps_the_replicas_identical_and_starts_where_the_unsplit_mod
     assert rows[-1]["eval_loss"] < rows[0]["eval_loss"] - 0.5 and ref[-1]["eval_loss"] < ref[0]["eval_loss"] - 0.5
 
 
+@pytest.mark.slow
 def test_the_command_runs_two_replicas_of_two_stages(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")

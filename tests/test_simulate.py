@@ -148,6 +148,7 @@ def test_fgdiloco_simulate_re_exports_the_package_model():
     assert old.predict is pkg.predict and old.consensus_study is pkg.consensus_study and old.JOB is pkg.JOB
 
 
+@pytest.mark.slow
 def test_fgdiloco_simulate_writes_a_fresh_folder_and_prints_tables(tmp_path):
     import json
     import os

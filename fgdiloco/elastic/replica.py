@@ -14,15 +14,18 @@ import os
 
 import torch.distributed as dist
 
+from ..config import FGDiLoCoConfig
+
 __all__ = ["init_replica_group"]
 
 
-def init_replica_group(backend: str = "gloo", timeout: float = 120.0) -> None:
+def init_replica_group(backend: str = "gloo", timeout: float | None = None) -> None:
     """``torch.distributed.init_process_group`` for the stages of one elastic pipeline replica under torchrun.
 
     Args:
         backend: ``"gloo"`` (CPU) or ``"nccl"`` (a GPU per stage).
-        timeout: seconds the group's set-up and collectives may wait (the stages' ``stage_timeout`` and more).
+        timeout: seconds the group's set-up and collectives may wait (None: the default ``stage_timeout`` of
+            :class:`~fgdiloco.FGDiLoCoConfig`; give more than the run's ``stage_timeout``).
 
     Raises:
         ValueError: ``backend`` is not ``"gloo"`` or ``"nccl"``, or ``timeout`` is not positive.
@@ -31,6 +34,8 @@ def init_replica_group(backend: str = "gloo", timeout: float = 120.0) -> None:
     """
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if timeout is None:
+        timeout = FGDiLoCoConfig.stage_timeout
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if k not in os.environ]

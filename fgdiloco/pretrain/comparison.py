@@ -51,6 +51,10 @@ METHODS: dict[str, dict[str, Any]] = {
     "fg-dense-r2=1": {"topology": "random", "codec": "dense", "mix2_rounds": 1},
     "fg-lowrank-r2=0": {"topology": "random", "codec": "lowrank", "codec_rank": 4, "mix2_rounds": 0},
     "fg-lowrank-r2=1": {"topology": "random", "codec": "lowrank", "codec_rank": 4, "mix2_rounds": 1},
+    # FG-DiLoCo with Streaming DiLoCo's fragments (F = 2), and with its overlap and merge too (tau = 2, alpha = 0.5)
+    "fg-stream-f2": {"topology": "random", "codec": "lowrank", "codec_rank": 4, "mix2_rounds": 1, "fragments": 2},
+    "fg-stream-f2-t2-a0.5": {"topology": "random", "codec": "lowrank", "codec_rank": 4, "mix2_rounds": 1,
+                             "fragments": 2, "overlap_steps": 2, "merge_alpha": 0.5},
     # the peers (benchmarks/peers.py; torchft from `pip install -e ".[bench]"`): torchft's DiLoCo, and its Streaming
     # DiLoCo with the model in 2 fragments (embeddings + block 0 | block 1 + final norm), one synchronised every
     # H / 2 steps, each all-reduce started 2 inner steps before it is needed and the result mixed half-half with
@@ -67,6 +71,8 @@ FAMILY = {"ddp": "ddp", "diloco": "diloco", "localsgd": "localsgd", "torchft-dil
 LABEL = {"ddp": "DDP (per step)", "diloco": "DiLoCo", "localsgd": "post-local SGD (PyTorch)",
          "fg-dense-r2=0": "FG-DiLoCo dense, r2=0", "fg-dense-r2=1": "FG-DiLoCo dense, r2=1",
          "fg-lowrank-r2=0": "FG-DiLoCo LowRank r4 int8, r2=0", "fg-lowrank-r2=1": "FG-DiLoCo LowRank r4 int8, r2=1",
+         "fg-stream-f2": "FG-DiLoCo LowRank r4, F=2",
+         "fg-stream-f2-t2-a0.5": "FG-DiLoCo LowRank r4, F=2, tau=2, alpha=0.5",
          "torchft-diloco": "torchft DiLoCo", "torchft-streaming": "torchft Streaming DiLoCo (F=2, tau=2, alpha=0.5)"}
 #: exit code of the worker killed on purpose (the orchestrator does not count it as a failure)
 DIED_EXIT_CODE = 17
