@@ -132,7 +132,7 @@ class TrainConfig:
                                 "(PyTorch's PeriodicModelAverager every --sync-every steps). Not elastic: one "
                                 "torchelastic job, one death ends the job", _RUN)
     device: str = _job("auto", _Choices(*DEVICES), "where each worker computes: 'auto' (CUDA when available, "
-                       "else the CPU), 'cpu' or 'cuda'. Worker k takes GPU k % (GPUs on the host): one GPU per "
+                       "else the CPU), 'cpu' or 'cuda'. Worker k takes GPU k %% (GPUs on the host): one GPU per "
                        "worker when there are enough, else workers share GPUs; bf16 autocast for the inner steps "
                        "where the GPU supports it. Gossip always goes over Gloo through host buffers (docs/gpu.md)",
                        _RUN)
