@@ -20,12 +20,15 @@ group serves only the exact (all-reduce) topology's collectives and the wrapper'
 from __future__ import annotations
 
 import datetime
+import os
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .config import FGDiLoCoConfig, Seconds
+from .gossip.staging import pipeline_backend
 
 __all__ = ["ReplicaMesh"]
 
@@ -58,7 +61,10 @@ class ReplicaMesh:
         replicas, stages: the grid's shape.
         device_mesh: the underlying :class:`~torch.distributed.device_mesh.DeviceMesh` (dims ``"replica"``,
             ``"stage"``).
-        pipeline_group: this replica's S ranks in stage order (the default backend: NCCL on GPU jobs).
+        pipeline_group: this replica's S ranks in stage order, on :attr:`pipeline_backend`.
+        pipeline_backend: ``"nccl"`` on an NCCL job whose host has a GPU per local rank
+            (:func:`fgdiloco.gossip.staging.pipeline_backend`), else ``"gloo"`` (CUDA stages then stage their
+            activations through the host).
         gossip_group: this stage's R ranks in replica order, always a Gloo group, so CPU tensors work on it even
             when the default backend is NCCL.
 
@@ -101,7 +107,9 @@ class ReplicaMesh:
         self.timeout = float(seconds)
         backend = dist.get_backend()
         self.device_type = "cuda" if "nccl" in backend else "cpu"
-        pipe_backend = "nccl" if self.device_type == "cuda" else "gloo"
+        gpus = torch.cuda.device_count() if self.device_type == "cuda" else 0
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # torchrun's ranks on this host
+        self.pipeline_backend = pipe_backend = pipeline_backend(backend, gpus=gpus, ranks_on_host=local)
         delta = datetime.timedelta(seconds=self.timeout)
         # Both dims are built here, "replica" groups first, then "stage" groups, on every rank alike.
         self.device_mesh: DeviceMesh = init_device_mesh(

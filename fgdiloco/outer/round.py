@@ -27,6 +27,7 @@ import time
 import torch
 
 from ..gossip.mix import Mixer, MixResult
+from ..gossip.staging import HostStaging
 from ..runtime import Background
 from .state import OuterState
 from .stats import RoundStats
@@ -49,10 +50,13 @@ class Round:
         merge_alpha: α of the merge after the outer step.
         after: a round whose Mix1 this one's waits for before it starts (the exact topology with fragments: the
             rounds' Mix1 collectives run in the order the rounds were started, the same on every worker).
+        staging: where what the mixes send is put on the host (:mod:`fgdiloco.gossip.staging`; CUDA values are
+            copied into the worker's pinned buffers, CPU values pass through). Default: a staging of its own.
     """
 
     def __init__(self, outer: OuterState, fragment: int, indices: list[int], index: int, mix1: Mixer, mix2: Mixer,
-                 *, momentum_in_mix1: bool, exact: bool, merge_alpha: float, after: Round | None = None):
+                 *, momentum_in_mix1: bool, exact: bool, merge_alpha: float, after: Round | None = None,
+                 staging: HostStaging | None = None):
         self.outer = outer
         self.fragment = fragment
         self.indices = indices
@@ -62,9 +66,12 @@ class Round:
         self._momentum_in_mix1 = momentum_in_mix1
         self._exact = exact
         self._alpha = merge_alpha
-        values = [outer.theta0[i].clone() for i in indices]
+        self._staging = staging if staging is not None else HostStaging()
+        values = [outer.theta0[i] for i in indices]
         if momentum_in_mix1:
-            values += [m.clone() for m in outer.optimizer.state(indices)]
+            values += outer.optimizer.state(indices)
+        self._mix1_like = values  # where (device, dtype) Mix1's results go back to
+        staged = self._staging.to_host(values, ("mix1", fragment), copy=True)
 
         before = after._mix1 if after is not None else None
 
@@ -72,7 +79,7 @@ class Round:
             if before is not None:  # collectives in the same order on every worker
                 before.wait()
             with torch.no_grad():  # grad mode is per thread
-                return mix1.run(values, index)
+                return mix1.run(staged.wait(), index)
 
         self._mix1 = Background(run_mix1, f"mix1-{index}")
         self._mix2: Background | None = None
@@ -100,10 +107,11 @@ class Round:
         delta = self._delta() if delta is None else delta
         self.overlap_delta = delta
         index, mixer = self.index, self._mix2_mixer
+        staged = self._staging.to_host(delta, ("mix2", self.fragment))
 
         def run_mix2() -> MixResult:
             with torch.no_grad():
-                return mixer.run(delta, index)
+                return mixer.run(staged.wait(), index)
 
         self._mix2_started = time.perf_counter()
         self._mix2 = Background(run_mix2, f"mix2-{index}")
@@ -123,18 +131,25 @@ class Round:
         time spent paused since (the round's clock)."""
         outer = self.outer
         t_sync = time.perf_counter()
-        mix2 = self._mix2.result() if self._mix2 is not None else self._mix2_mixer.run(self._delta(), self.index)
+        mix2 = self._mix2.result() if self._mix2 is not None else self._run_mix2()
         t_mix2 = time.perf_counter()
         mix1 = self._mix1.result()
         t_mix1 = time.perf_counter()
         k = len(self.indices)
+        mixed1 = self._staging.to_device(mix1.values, self._mix1_like)  # back where the snapshot lives
+        mixed2 = self._staging.to_device(mix2.values, self._mix1_like[:k])
         if self._momentum_in_mix1:
-            outer.optimizer.set_state(self.indices, mix1.values[k:])
+            outer.optimizer.set_state(self.indices, mixed1[k:])
         steps = outer.steps_in_round
-        theta = outer.optimizer.step(self.indices, mix1.values[:k], mix2.values)
+        theta = outer.optimizer.step(self.indices, mixed1[:k], mixed2)
         outer.commit(self.indices, theta, self._alpha)
         t_end = time.perf_counter()
         return self._stats(mix1, mix2, steps, (t0, paused, t_sync, t_mix2, t_mix1, t_end))
+
+    def _run_mix2(self) -> MixResult:
+        """Mix2 of the current pseudo-gradient, blocking (``overlap_steps`` = 0)."""
+        delta = self._delta()
+        return self._mix2_mixer.run(self._staging.to_host(delta, ("mix2", self.fragment)).wait(), self.index)
 
     def _stats(self, mix1: MixResult, mix2: MixResult, steps: int, times: tuple[float, ...]) -> RoundStats:
         t0, paused, t_sync, t_mix2, t_mix1, t_end = times

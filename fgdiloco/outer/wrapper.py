@@ -17,6 +17,7 @@ from ..config import FGDiLoCoConfig
 from ..factor.codec import Codec, resolve_codec
 from ..factor.frame import job_secret, layout_fingerprint
 from ..gossip.mix import MAX_RATIO, Mixer, PeerHealth
+from ..gossip.staging import HostStaging
 from ..gossip.topology import Topology, make_topology
 from ..gossip.transport import DistributedTransport, Transport
 from ..mesh import ReplicaMesh
@@ -131,6 +132,8 @@ class FGDiLoCo:
         self.outer = OuterState(self.params, build_outer(self.config, self.params), self.fingerprint,
                                 self._mixer1.secret, self.rank, self.config.join_timeout)
         self._rounds: dict[int, Round] = {}  # fragment -> its round in flight
+        #: host buffers of what the mixes send (CUDA parameters: pinned, reused per round; CPU ones pass through)
+        self.staging = HostStaging()
         self._resume_delta: list[torch.Tensor] | None = None  # a checkpoint's pseudo-gradient already in Mix2
         self._clock: tuple[float | None, float] = (None, 0.0)  # since the last outer round: (t0, paused)
         self.last_round: RoundStats | None = None
@@ -352,7 +355,7 @@ class FGDiLoCo:
                 after = max(self._rounds.values(), key=lambda r: r.index) if exact and self._rounds else None
                 self._rounds[f] = Round(self.outer, f, indices, index, self._mixer1, self._mixer2s[f],
                                         momentum_in_mix1=c.mix_momentum or exact, exact=exact,
-                                        merge_alpha=c.merge_alpha, after=after)
+                                        merge_alpha=c.merge_alpha, after=after, staging=self.staging)
         if self._resume_delta is not None:  # the loaded checkpoint was taken while this round's Mix2 ran
             self._wait_mix1s()
             self._round.start_mix2(self._resume_delta)

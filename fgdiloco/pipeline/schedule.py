@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from ..gossip.staging import HostBoundary
 from ..mesh import ReplicaMesh
 from .codec import BoundaryModule, _inferring_shapes, needs_inputs, resolve_activation_codec
 
@@ -93,6 +94,10 @@ class _Stage(PipelineStage):
         self.reset_counters()
         self.compute_failed = False
         self.model_error: Exception | None = None
+
+    def _move_submod_to_device(self) -> None:
+        if not isinstance(self.submod, HostBoundary):  # a staged stage computes on its GPU, not on self.device
+            super()._move_submod_to_device()
 
     def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
         # shapes are inferred on uninitialised tensors: codecs skip value checks (codec.shape_inference())
@@ -195,7 +200,9 @@ class Pipeline:
         activation_codec: ``None`` (send activations as they are), an :class:`~fgdiloco.pipeline.ActivationCodec`
             or an ``(encode, decode)`` pair (see :mod:`fgdiloco.pipeline.codec`): ``encode`` wraps this stage's
             output unless it is the last stage, ``decode`` the received input unless it is the first.
-        device: where the stage computes (default: the current CUDA device on an NCCL mesh, else the CPU).
+        device: where the stage computes (default: the current CUDA device on an NCCL mesh, else the CPU). A CUDA
+            stage on a Gloo pipeline group (stages sharing GPUs, or a Gloo job) sends and receives through the host
+            (:class:`fgdiloco.gossip.staging.HostBoundary`).
 
     Raises:
         TypeError: an argument of the wrong type.
@@ -245,13 +252,17 @@ class Pipeline:
             decode = None if self.is_first else decode
         self._runner = BoundaryModule(stage_module, encode, decode, owner, with_inputs=self.codec_needs_inputs,
                                       first=self.is_first)
-        self._stage = _Stage(self._runner, mesh.stage, mesh.stages, self.device, group=mesh.pipeline_group)
+        #: the stage's boundary tensors go through the host: a CUDA stage on a Gloo pipeline group
+        self.staged = self.device.type != "cpu" and dist.get_backend(mesh.pipeline_group) != "nccl"
+        runner = HostBoundary(self._runner, self.device, last=self.is_last) if self.staged else self._runner
+        wire = torch.device("cpu") if self.staged else self.device  # where the transfers' tensors live
+        self._stage = _Stage(runner, mesh.stage, mesh.stages, wire, group=mesh.pipeline_group)
         self._schedule = SCHEDULES[schedule](self._stage, n_microbatches, loss_fn=self._scaled_loss,
                                              scale_grads=False)
         self._neighbours = [mesh.rank_of(mesh.replica, s) for s in (mesh.stage - 1, mesh.stage + 1)
                             if 0 <= s < mesh.stages]
         # a run nonce for the store keys of failure reports (a reused store's old keys can never match)
-        nonce = torch.tensor([secrets.randbits(62) if self.is_first else 0], dtype=torch.int64, device=self.device)
+        nonce = torch.tensor([secrets.randbits(62) if self.is_first else 0], dtype=torch.int64, device=wire)
         dist.broadcast(nonce, src=mesh.stage_ranks()[0], group=mesh.pipeline_group)
         self._namespace = f"fgdiloco/pipeline/{int(nonce.item()):x}"
         self._broken: PipelineError | None = None

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 from ..config import TIMEOUT_FIELDS, Check, Choice, Count, FGDiLoCoConfig, Flag, Number, Seconds
 from ..config import add_arguments as add_fgdiloco_arguments
 from ..factor import LowRank
+from .device import DEVICES
 
 __all__ = ["DEPARTURES", "LEGACY_NAMES", "Departure", "TrainConfig", "add_train_arguments"]
 
@@ -130,6 +131,11 @@ class TrainConfig:
                                 "(DistributedDataParallel, gradients all-reduced every step) or 'localsgd' "
                                 "(PyTorch's PeriodicModelAverager every --sync-every steps). Not elastic: one "
                                 "torchelastic job, one death ends the job", _RUN)
+    device: str = _job("auto", _Choices(*DEVICES), "where each worker computes: 'auto' (CUDA when available, "
+                       "else the CPU), 'cpu' or 'cuda'. Worker k takes GPU k %% (GPUs on the host): one GPU per "
+                       "worker when there are enough, else workers share GPUs; bf16 autocast for the inner steps "
+                       "where the GPU supports it. Gossip always goes over Gloo through host buffers (docs/gpu.md)",
+                       _RUN)
     timeout: float | None = _job(None, Seconds(), "", _RUN, flag=None)  # its flag comes with the settings' flags
     error_feedback: bool = _job(True, Flag(), "the lowrank codec without error feedback (an ablation; it is on by "
                                 "default). Only the exact path (--topology allreduce) keeps a residual: pairwise "
@@ -263,6 +269,12 @@ class TrainConfig:
             raise ValueError(str(e)) from None
         self._check_model_and_data()
         self._check_stages()
+        if self.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError("device 'cuda': no CUDA device is available (torch.cuda.is_available() is False); "
+                                 "use --device auto or cpu")
         return self
 
     def _check_model_and_data(self) -> None:

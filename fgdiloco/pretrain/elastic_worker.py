@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from .config import TrainConfig
 from .data import split_tokens, unigram_loss
+from .device import on_device, place, resolve_device
 from .loop import Clock, Loop, Reporter
 from .recipe import Batches, build_model, eval_batches, inner_optimizer, load_tokens
 from .reports import WorkerEvents
@@ -104,8 +105,9 @@ def _train(cfg: TrainConfig, slot: int, life: int, mesh: Any, t_setup: float) ->
     stage = None if mesh is None else mesh.stage
     if mesh is not None:
         model = model.split(cfg.stages)[stage]
+    placement = resolve_device(cfg.device, worker=slot * cfg.stages + (stage or 0), workers=cfg.workers)
+    eval_set = place(placement, model, eval_batches(cfg, val))
     inner = inner_optimizer(model, cfg)
-    eval_set = eval_batches(cfg, val)
     batches = Batches(cfg, train, inner, slot)  # every stage of a replica draws the replica's batches
     common = dict(grad_clip=cfg.grad_clip, checkpoint=checkpoint_path(cfg.out, slot, stage), run_id=cfg.run_id,
                   worker=slot, checkpoint_every=cfg.checkpoint_every)
@@ -114,6 +116,7 @@ def _train(cfg: TrainConfig, slot: int, life: int, mesh: Any, t_setup: float) ->
     else:
         sync = ElasticPipelineStage(model, inner, cfg.fgdiloco_config(), mesh=mesh, microbatches=cfg.microbatches,
                                     replicas=cfg.replicas, **common)
+    sync.autocast = placement.autocast
     clock = Clock()
     try:
         resumed = sync.restore(batches, clock, start_round=int(os.environ.get(START_ROUND_ENV, "0") or 0),
@@ -136,7 +139,8 @@ def _train(cfg: TrainConfig, slot: int, life: int, mesh: Any, t_setup: float) ->
         else Reporter()
     if mesh is not None:
         reporter = StagesAgree(reporter, mesh, sync)
-    loop = Loop(sync, reporter, batches, eval_set, steps=cfg.steps, sync_every=cfg.sync_every,
+    loop = Loop(sync, reporter, on_device(batches, placement.device), eval_set, steps=cfg.steps,
+                sync_every=cfg.sync_every,
                 eval_every=cfg.eval_every, clock=clock)
     try:
         outcome = loop.run()

@@ -151,6 +151,8 @@ class Synchroniser:
     method = "local"
     label = "one replica"
     resumed = False
+    #: the precision of the forward passes (:meth:`fgdiloco.pretrain.device.Placement.autocast`; default: as is)
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
 
     def __init__(self, model: torch.nn.Module, inner: torch.optim.Optimizer, *, grad_clip: float = 0.0,
                  layout: Layout | None = None):
@@ -166,7 +168,8 @@ class Synchroniser:
 
     def backward(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
         """Forward and backward of one batch (and clipping); the batch's loss, None where this worker holds none."""
-        _, loss = self.module(x, y)
+        with self.autocast():
+            _, loss = self.module(x, y)
         loss.backward()
         self.after_backward()
         if self.grad_clip > 0:

@@ -183,6 +183,7 @@ class _Pipelined:
 
     model: torch.nn.Module
     grad_clip: float
+    autocast: Any
 
     def _init_pipeline(self, mesh: Any, microbatches: int) -> None:
         from ..pipeline import Pipeline
@@ -190,11 +191,13 @@ class _Pipelined:
 
         self.mesh = mesh
         self.pipe = Pipeline(self.model, mesh, lm_loss, n_microbatches=microbatches, schedule="1f1b",
-                             activation_codec=activation_codec_for(self.model))
+                             activation_codec=activation_codec_for(self.model),
+                             device=next(self.model.parameters()).device)
         self._bubble = 0.0  # sum of the steps' bubble fractions
 
     def backward(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
-        loss = self.pipe.step(x, y)  # forward + backward of the replica's batch through its stages
+        with self.autocast():
+            loss = self.pipe.step(x, y)  # forward + backward of the replica's batch through its stages
         self._bubble += self.pipe.last_step.bubble
         if self.grad_clip > 0:
             clip_replica_gradients(list(self.model.parameters()), self.grad_clip, self.mesh.pipeline_group)

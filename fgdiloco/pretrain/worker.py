@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from .config import TrainConfig
 from .data import split_tokens, unigram_loss
+from .device import on_device, place, resolve_device
 from .loop import Loop
 from .recipe import Batches, build_model, eval_batches, inner_optimizer, load_tokens
 from .reports import GroupRows
@@ -73,10 +74,12 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     n_params = model.num_parameters(non_embedding=False)
     if mesh is not None:  # every rank builds the same seeded model and keeps its own stage
         model = model.split(cfg.stages)[mesh.stage]
+    placement = resolve_device(cfg.device, worker=rank, workers=world)
+    eval_set = place(placement, model, eval_batches(cfg, val))
     inner = inner_optimizer(model, cfg)
-    eval_set = eval_batches(cfg, val)
     batches = Batches(cfg, train, inner, mesh.replica if mesh is not None else rank)
     sync = group_synchroniser(cfg, model, inner, world=world, mesh=mesh)
+    sync.autocast = placement.autocast
 
     replicas = world // cfg.stages
     info = run_info(cfg, method=sync.method, workers=world, replicas=replicas,
@@ -85,7 +88,8 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
                     setup_seconds=time.perf_counter() - t_setup,
                     title=title(cfg, method=sync.method, label=sync.label, workers=world, params=n_params))
     reporter = GroupRows(cfg, sync, rank, info)
-    loop = Loop(sync, reporter, batches, eval_set, steps=cfg.steps, sync_every=cfg.sync_every,
+    loop = Loop(sync, reporter, on_device(batches, placement.device), eval_set, steps=cfg.steps,
+                sync_every=cfg.sync_every,
                 eval_every=cfg.eval_every, deferred=cfg.eval_deferred)
     try:
         outcome = loop.run()
