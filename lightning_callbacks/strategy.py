@@ -146,6 +146,19 @@ def _local_sigterm_check(trainer: Any, exception: type[BaseException] | None) ->
         raise exception()
 
 
+def _local_sigterm_notifier(connector: Any, signum: Any, frame: Any) -> None:
+    """Lightning's SIGTERM notifier (``_SignalConnector._sigterm_notifier_fn``, >= 2.5.2) without its broadcast on
+    the world group: the replicas are not in lockstep, and a dead rank never answers, so that broadcast blocks the
+    signalled process (until torchrun's SIGKILL 30 s later, or the process-group timeout). It still forwards the
+    signal to the popen launcher's children and sets ``trainer.received_sigterm``."""
+    log.info("fgdiloco: rank %s received signal %s", getattr(connector.trainer, "global_rank", "?"), signum)
+    if not connector.received_sigterm:
+        launcher = connector.trainer.strategy.launcher
+        if launcher is not None:
+            launcher.kill(signum)
+    connector.received_sigterm = True
+
+
 def _check_pipeline_arguments(stages: Any, microbatches: Any, schedule: Any) -> tuple[int, int, str]:
     """``pipeline_stages`` / ``n_microbatches`` / ``pipeline_schedule`` checked and normalised (no communication)."""
     for name, value in (("pipeline_stages", stages), ("n_microbatches", microbatches)):
@@ -218,6 +231,7 @@ class _FGDiLoCoStrategyMixin:
         self._saved_as: dict[str, str] = {}  # save_checkpoint: a rank's own checkpoint path -> rank 0's
         self._resume_state: dict[str, Any] | None = None
         self._patched_loop: Any = None
+        self._patched_signals: Any = None
         self._stages = stages
         self._n_microbatches = microbatches
         self._schedule = schedule
@@ -516,7 +530,8 @@ class _FGDiLoCoStrategyMixin:
 
     def _unlock_training_steps(self, trainer: Any) -> None:
         """Replace Lightning's per-batch SIGTERM broadcast by a local check, so that a slow replica does not hold
-        the others back between outer rounds. Only for Lightning versions that have it (>= 2.5.2)."""
+        the others back between outer rounds, and its SIGTERM handler by one without its broadcast on the world
+        group (:func:`_local_sigterm_notifier`). Only for Lightning versions that have them (>= 2.5.2)."""
         loop = trainer.fit_loop.epoch_loop
         version = Version(self._namespace.__version__.split("+")[0])
         if version < _SIGTERM_BROADCAST_SINCE or not callable(getattr(type(loop), "_broadcast_sigterm_tensor", None)):
@@ -525,6 +540,11 @@ class _FGDiLoCoStrategyMixin:
         exception = getattr(exceptions, "SIGTERMException", None)
         loop._broadcast_sigterm_tensor = functools.partial(_local_sigterm_check, trainer, exception)
         self._patched_loop = loop
+        connector = getattr(trainer, "_signal_connector", None)
+        if callable(getattr(type(connector), "_sigterm_notifier_fn", None)):
+            # the Trainer registers its SIGTERM handler after setup, with this attribute
+            connector._sigterm_notifier_fn = functools.partial(_local_sigterm_notifier, connector)
+            self._patched_signals = connector
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """With ``pipeline_stages > 1`` the backward already ran in :meth:`pipeline_step`: run only the
@@ -556,6 +576,10 @@ class _FGDiLoCoStrategyMixin:
             with contextlib.suppress(AttributeError):
                 del self._patched_loop._broadcast_sigterm_tensor
             self._patched_loop = None
+        if self._patched_signals is not None:
+            with contextlib.suppress(AttributeError):
+                del self._patched_signals._sigterm_notifier_fn
+            self._patched_signals = None
         self._close_fgdiloco()
         self._resume_state = None
         self._backward_done = False
@@ -691,7 +715,10 @@ if _pl is not None:
         :class:`fgdiloco.FGDiLoCo` runs. LR schedulers keep stepping the inner optimizer.
 
         Between rounds the replicas do not wait for each other: Lightning's per-batch SIGTERM broadcast
-        (Lightning >= 2.5.2) is replaced by a local check while fitting. Keep it that way in your own code: do not
+        (Lightning >= 2.5.2) is replaced by a local check while fitting, and so is the broadcast in its SIGTERM
+        handler (a rank sent SIGTERM posts FGDiLoCo's departure notice and exits at once). What a death does to the
+        job, under Lightning's launcher and under ``torchrun --max-restarts``: docs/lightning.md, "When a process
+        dies". Keep it that way in your own code: do not
         log with ``sync_dist=True`` in ``training_step`` (it adds a collective per step), and note that
         validation, ``EarlyStopping`` and checkpointing synchronise all ranks when they run.
 

@@ -10,11 +10,13 @@ import csv
 import datetime
 import inspect
 import os
+import re
 import signal
 import socket
 import statistics
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -307,3 +309,99 @@ def test_star_import_works_without_the_unified_lightning_package():
         assert "LightningFGDiLoCoStrategy" not in namespace
         with pytest.raises(AttributeError, match="needs the 'lightning' package"):
             _ = lightning_callbacks.LightningFGDiLoCoStrategy
+
+
+# ---------------------------------------------------------------------------------------------------- a death
+DEATH = re.compile(r"rank (\d+) dies at step (\d+) \(by (\w+)\) at ([\d.]+)")
+
+
+def _run_until_all_exit(cmd: list[str], out: Path, timeout: float, extra_env: dict[str, str] | None = None):
+    """Run ``cmd`` until every process holding its output has exited (the launcher and every rank, also ranks
+    the launcher no longer waits for); return (exit status, output, seconds from the death to that moment)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "PL_GLOBAL_SEED")}
+    env.update(MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]), **(extra_env or {}))
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout)  # EOF: every process that inherited the pipe has exited
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)}: still running after {timeout} s (a process hangs):\n{log[-6000:]}")
+    ended = time.time()
+    (out.parent / f"{out.name}.log").write_text(log)
+    deaths = DEATH.findall(log)
+    assert len(deaths) == 1, f"expected one death, got {deaths}:\n{log[-4000:]}"
+    return proc.returncode, log, ended - float(deaths[0][3])
+
+
+def _launch_dying(out: Path, *args: str, devices: int, timeout: float = 120.0):
+    cmd = [sys.executable, str(SCRIPT), "--out", str(out), "--devices", str(devices), *args]
+    return _run_until_all_exit(cmd, out, timeout)
+
+
+# 3 processes x 400 steps: far longer than the bounds below, so the job cannot simply have finished
+LONG_RUN = ("--sync-every", "5", "--samples", "9600", "--timeout", "30")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["exit", "sigterm"])
+def test_a_dead_rank_ends_the_whole_job_under_lightnings_launcher(tmp_path, how):
+    """A rank started by Lightning's launcher that dies (os._exit(1), or SIGTERM) ends the whole job: Lightning's
+    child-process observer (polling every 5 s) SIGKILLs the other ranks and the launcher; nothing hangs. With
+    SIGTERM the rank posts FGDiLoCo's departure and exits at once (-15): the strategy's SIGTERM handler does not
+    broadcast on the world group as Lightning's own does (which blocked the rank for good)."""
+    code, log, after = _launch_dying(tmp_path / "out", *LONG_RUN, "--die-rank", "2", "--die-step", "12",
+                                     "--die-by", how, devices=3)
+    assert code == -signal.SIGKILL, log[-4000:]
+    status = 1 if how == "exit" else -signal.SIGTERM
+    assert f"terminated with code {status}. Forcefully terminating all other processes" in log
+    assert after < 5 + 7, f"the job took {after:.1f} s to end after the death"
+    assert not list((tmp_path / "out").glob("rank*.pt"))  # no rank got to the end
+
+
+@pytest.mark.slow
+def test_when_rank_0_dies_under_lightnings_launcher_the_others_train_on_alone(tmp_path):
+    """Rank 0 is the launcher and hosts the job's store. When it dies the job exits with its status (1) at once,
+    but nothing stops ranks 1 and 2: they train on without gossip (the store is gone) and finish the run (here; a
+    collective such as a checkpoint's barrier would fail at once on Gloo) after the job has exited."""
+    args = ("--sync-every", "5", "--samples", "1200")  # 50 steps per rank, 10 rounds
+    code, log, after = _launch_dying(tmp_path / "out", *args, "--die-rank", "0", "--die-step", "12", devices=3)
+    assert code == 1
+    for r in (1, 2):
+        assert f"fgdiloco rank {r}: the gossip store does not answer" in log
+    assert not (tmp_path / "out" / "rank0.pt").exists()
+    for r in (1, 2):
+        rank = torch.load(tmp_path / "out" / f"rank{r}.pt", weights_only=False)
+        assert rank["global_step"] == 50 and rank["rounds"] == 10
+        late = [h for h in rank["history"] if h["global_step"] > 15]  # the rounds that started after the death
+        assert len(late) == 7 and all(h["gossip/bytes_sent"] == h["gossip/bytes_received"] == 0 for h in late)
+        assert sum(h["gossip/skipped_exchanges"] for h in late) > 0  # skipped at once, not waited for
+    assert after < 60
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_the_job_which_resumes_from_its_checkpoints(tmp_path):
+    """Under ``torchrun --max-restarts 1`` a death stops every rank (the agent's SIGTERM ends the survivors at
+    once, not its SIGKILL 30 s later) and restarts all of them; each resumes from its own part of the last
+    checkpoint and retraces the first attempt's rounds exactly. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with torch's
+    shared agent store the restarted ranks read the previous attempt's addresses and init_process_group fails."""
+    # 20 steps per epoch and rank, a round every 5: the epoch-0 checkpoint is at step 20, rank 1 dies at step 33
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", "1", str(SCRIPT), "--out", str(tmp_path / "out"), "--devices", "2", "--sync-every", "5",
+           "--samples", "320", "--max-epochs", "2", "--ckpt-dir", str(tmp_path / "ckpt"), "--resume-latest",
+           "--save-rounds", "--die-rank", "1", "--die-step", "33"]
+    code, log, _ = _run_until_all_exit(cmd, tmp_path / "out", 150.0, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    assert code == 0, log[-4000:]
+    assert "forcefully exiting via 9" not in log  # the survivor ended on the agent's SIGTERM
+    for r in range(2):
+        rank = torch.load(tmp_path / "out" / f"rank{r}.pt", weights_only=False)  # written by the second attempt
+        assert rank["restart_count"] == 1 and rank["resumed_from"] == str(tmp_path / "ckpt" / "epoch=0.ckpt")
+        assert rank["global_step"] == 40 and rank["rounds"] == 8 and rank["failed_exchanges_total"] == 0
+        first = dict(torch.load(tmp_path / "out" / f"rank{r}.attempt0.rounds.pt", weights_only=False))
+        second = dict(torch.load(tmp_path / "out" / f"rank{r}.attempt1.rounds.pt", weights_only=False))
+        assert sorted(second) == [25, 30, 35, 40] and {5, 10, 15, 20, 25, 30} <= set(first), (sorted(first), r)
+        for step in (25, 30):  # the rounds both attempts made: the same parameters
+            torch.testing.assert_close(second[step], first[step], rtol=1e-6, atol=1e-7)

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -106,6 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--keep-checkpoints", action="store_true", help="ModelCheckpoint(save_top_k=-1): keep all")
     p.add_argument("--ckpt-name", default="{epoch}", help="ModelCheckpoint's filename")
     p.add_argument("--resume", default=None, help="ckpt_path for trainer.fit")
+    p.add_argument("--resume-latest", action="store_true",
+                   help="resume from the newest checkpoint in --ckpt-dir when there is one (a torchrun restart)")
     p.add_argument("--validate-ckpt", default=None, help="after fit: trainer.validate(ckpt_path=...)")
     p.add_argument("--growth-patience", type=int, default=5)
     p.add_argument("--stages", type=int, default=0,
@@ -118,7 +122,18 @@ def main(argv: list[str] | None = None) -> None:
                         "configure_activation_codec; 0: the plain split)")
     p.add_argument("--codec-arg", action="store_true",
                    help="with --gpt: pass the codec as the strategy's activation_codec= instead of the hook")
+    p.add_argument("--die-rank", type=int, default=None,
+                   help="this global rank dies (--die-by) before training batch --die-step, in the first attempt "
+                        "only (under torchrun: while TORCHELASTIC_RESTART_COUNT is 0)")
+    p.add_argument("--die-step", type=int, default=None, help="with --die-rank: the global step it dies at")
+    p.add_argument("--die-by", choices=("exit", "sigterm"), default="exit",
+                   help="with --die-rank: os._exit(1), or a SIGTERM to itself (what a scheduler or kill sends)")
+    p.add_argument("--save-rounds", action="store_true",
+                   help="after every round, write (global step, parameters) of the rounds so far to "
+                        "OUT/rank{r}.attempt{a}.rounds.pt (a: TORCHELASTIC_RESTART_COUNT), kept when the rank dies")
     args = p.parse_args(argv)
+    if (args.die_rank is None) != (args.die_step is None):
+        p.error("--die-rank and --die-step go together")
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
@@ -173,6 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     class Recorder(pl.Callback):
         def __init__(self) -> None:
             self.round_params: list[torch.Tensor] = []
+            self.round_steps: list[int] = []
             self.step_times: list[tuple[float, bool]] = []
             self.lrs: list[float] = []
             self._last_end: float | None = None
@@ -187,6 +203,12 @@ def main(argv: list[str] | None = None) -> None:
             if synced:
                 self._round = fgd.round
                 self.round_params.append(flat_params(pl_module))
+                if args.save_rounds:
+                    self.round_steps.append(trainer.global_step)
+                    os.makedirs(args.out, exist_ok=True)
+                    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+                    torch.save(list(zip(self.round_steps, self.round_params)),
+                               os.path.join(args.out, f"rank{trainer.global_rank}.attempt{attempt}.rounds.pt"))
             self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
             self._last_end = time.perf_counter()
 
@@ -281,9 +303,23 @@ def main(argv: list[str] | None = None) -> None:
         strategy = FGDiLoCoStrategy(sync_every=args.sync_every, topology=args.topology, outer_lr=args.outer_lr,
                                     mix2_rounds=args.mix2_rounds, seed=args.seed, timeout=args.timeout, **pipeline,
                                     **codec)
+    class Die(pl.Callback):
+        """Rank ``--die-rank`` exits at once, without clean-up (``--die-by sigterm``: sends itself SIGTERM), when
+        global step ``--die-step`` is reached; it prints the time first."""
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_rank == args.die_rank and trainer.global_step == args.die_step:
+                print(f"rank {args.die_rank} dies at step {args.die_step} (by {args.die_by}) at {time.time():.3f}",
+                      flush=True)
+                if args.die_by == "sigterm":
+                    os.kill(os.getpid(), signal.SIGTERM)
+                os._exit(1)
+
     recorder = Recorder()
     monitor = GossipMonitor(growth_patience=args.growth_patience)
     callbacks = [recorder, monitor]
+    if args.die_rank is not None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+        callbacks.append(Die())
     if args.ckpt_dir:
         callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, filename=args.ckpt_name,
                                          save_top_k=-1 if args.keep_checkpoints else 1,
@@ -306,7 +342,13 @@ def main(argv: list[str] | None = None) -> None:
         **({"limit_val_batches": 0} if args.stages and not args.val else {}),
     )
     model = (PipelinedGPT() if args.gpt is not None else PipelinedRegressor()) if args.stages else Regressor()
-    trainer.fit(model, ckpt_path=args.resume)
+    resume = args.resume
+    if args.resume_latest:
+        if not args.ckpt_dir:
+            p.error("--resume-latest needs --ckpt-dir")
+        found = sorted(Path(args.ckpt_dir).glob("*.ckpt"), key=lambda f: f.stat().st_mtime)
+        resume = str(found[-1]) if found else None
+    trainer.fit(model, ckpt_path=resume)
 
     fgd = trainer.strategy.fgdiloco
     out = {
@@ -330,6 +372,8 @@ def main(argv: list[str] | None = None) -> None:
         "pipeline": repr(trainer.strategy.pipeline) if getattr(trainer.strategy, "pipeline", None) else None,
         "step_losses": getattr(model, "step_losses", None),
         "step_bytes": getattr(model, "step_bytes", None),
+        "resumed_from": resume,
+        "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
         "codec_needs_inputs": getattr(getattr(trainer.strategy, "pipeline", None), "codec_needs_inputs", None),
     }
     if args.validate_ckpt:
