@@ -420,6 +420,7 @@ def _train_e2e(rank: int, world: int, codec_name: str) -> dict:
     return {"first": first, "last": eval_loss(), "mix2": mix2, "failed": opt.failed_exchanges_total}
 
 
+@pytest.mark.slow
 def test_lowrank_trains_end_to_end_on_4_ranks_with_far_fewer_mix2_bytes_than_dense(tmp_path):
     low = run_ranks(_train_e2e, 4, tmp_path, "lowrank")
     dense = run_ranks(_train_e2e, 4, tmp_path, "dense")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 
+import pytest
 import torch
 
 from fgdiloco import FGDiLoCo
@@ -41,6 +42,7 @@ def _faulty(rank: int, world: int) -> dict:
     return {"rounds": opt.round, "evals": evals, "blocked": blocked, "failed": failed, "errors": errors}
 
 
+@pytest.mark.slow
 def test_a_dead_and_a_hung_worker_do_not_stop_the_others(tmp_path):
     results = run_ranks(_faulty, 4, tmp_path, timeout=120, allow_missing=(DIES, HANGS), store="tcp")
     assert results[DIES] is None and results[HANGS] is None

@@ -398,3 +398,9 @@ def test_frames_from_a_corrupting_rank_are_rejected_and_the_others_keep_training
         assert r["last"] < 0.1 * r["first"], (i, r["first"], r["last"])
         if i != bad:
             assert all(f"rejected frame from rank {bad}" in e and "checksum" in e for e in r["errors"])
+
+
+def test_a_forged_shuffle_element_size_is_rejected():
+    """hypothesis found it: a dense frame whose shuffle size (header byte 7) says 207 decoded to other values"""
+    with pytest.raises(FrameError, match="frame shuffles 207-byte elements; dense frames shuffle 4 or none"):
+        _decode("dense", _forge(FRAMES["dense"], shuffle=207))

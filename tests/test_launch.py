@@ -99,6 +99,7 @@ def _prepared_exchange(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_a_prepared_pair_group_is_used_by_the_exchange_and_a_dead_peer_still_fails_cleanly(tmp_path):
     res = run_ranks(_prepared_exchange, 3, tmp_path, allow_missing=(2,), store="tcp")
     assert res[0]["got"] == b"from 1" and res[1]["got"] == b"from 0"

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 #: the library core: what ``pip install fgdiloco`` is for
@@ -105,6 +107,7 @@ def test_benchmarks_and_tests_never_import_each_other():
     assert _violations(("tests",), lambda mod: mod.split(".")[0] != "benchmarks") == []
 
 
+@pytest.mark.slow
 def test_the_core_imports_and_runs_without_the_extras():
     """``import fgdiloco`` and one round of the wrapper work with Lightning, tokenizers, matplotlib, rich and
     torchft unimportable (the extras of ``pip install fgdiloco[...]``)."""

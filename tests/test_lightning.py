@@ -86,6 +86,7 @@ def test_strategy_defaults_are_fgdiloco_defaults_and_it_takes_the_same_settings_
     assert "broadcast_init" in inspect.signature(FGDiLoCoStrategy).parameters
 
 
+@pytest.mark.slow
 def test_import_lightning_callbacks_registers_lazily_and_fgdiloco_survives_without_lightning():
     code = (
         "import sys\n"

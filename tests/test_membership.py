@@ -136,6 +136,7 @@ def test_a_worker_with_another_model_or_secret_is_refused_when_it_connects(store
     a.close(), b.close()
 
 
+@pytest.mark.slow
 def test_a_restarted_store_is_reconnected_and_refilled_and_a_store_gone_for_good_stops_the_worker():
     server = GossipStore("127.0.0.1", 0)
     port = server.port
@@ -243,6 +244,7 @@ def test_rounds_are_published_and_the_live_round_is_the_newest(store):
         m.close()
 
 
+@pytest.mark.slow
 def test_a_joiner_gets_one_answer_to_its_state_request(store):
     a, b, c = (_transport(store, r, 3).membership for r in range(3))
     a.serve(lambda: (3, b"state of a"))
@@ -265,6 +267,7 @@ def test_a_joiner_gets_one_answer_to_its_state_request(store):
     d.close()
 
 
+@pytest.mark.slow
 def test_live_peers_answer_a_joiner_in_the_background_and_a_dead_donor_is_replaced(store):
     """The heartbeat answers requests (no round start needed); a donor that claimed a request and died before
     sending is replaced: the joiner asks again and another live peer answers."""

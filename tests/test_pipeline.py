@@ -156,6 +156,7 @@ def test_a_dead_or_hung_stage_makes_its_neighbour_raise_naming_it_within_the_tim
     assert r["again"].startswith("this pipeline is broken by an earlier failure")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dead", "hung"])
 def test_in_three_stages_every_stage_names_only_the_lost_rank(tmp_path, kind):
     timeout = 4.0  # above the 2 s a stage could wait for the others if it did not wait for their timeouts

@@ -331,6 +331,7 @@ def test_read_rows_skips_a_line_cut_short(tmp_path):
     assert read_rows(tmp_path / "missing.jsonl") == []
 
 
+@pytest.mark.slow
 def test_finish_interrupted_summarises_the_rounds_done_and_keeps_a_complete_summary(tmp_path):
     cfg = tiny_config(tmp_path, steps=30, sync_every=10)
     run_ranks(_run_worker, 2, tmp_path, cfg, timeout=90)
@@ -350,6 +351,7 @@ def test_finish_interrupted_summarises_the_rounds_done_and_keeps_a_complete_summ
 
 
 # ------------------------------------------------------------------------------------------------ defaults
+@pytest.mark.slow
 def test_defaults_are_the_librarys_or_their_difference_is_shown_in_help():
     from fgdiloco import FGDiLoCoConfig
     from fgdiloco.factor import LowRank
@@ -459,6 +461,7 @@ def test_cli_argument_errors_exit_2_in_one_line_naming_the_option(capsys):
     assert main([]) == 2  # no subcommand: help
 
 
+@pytest.mark.slow
 def test_pretrain_and_simulate_without_the_extra_say_how_to_install_it_in_one_line():
     code = ("import sys\n"
             "sys.modules['rich'] = None\n"

@@ -242,6 +242,7 @@ def test_the_merger_waits_for_every_worker_or_its_end_and_averages_over_the_repo
     assert m.info == {**info, "_worker": 0}  # worker 0's, once it has started
 
 
+@pytest.mark.slow
 def test_help_says_which_methods_are_elastic_and_the_new_options():
     proc = subprocess.run([sys.executable, "-m", "fgdiloco", "pretrain", "--help"], capture_output=True, text=True,
                           timeout=60, env=dict(os.environ, COLUMNS="200"))

@@ -85,6 +85,7 @@ def test_the_command_refuses_bad_stages_in_one_line(argv, option, tmp_path, monk
 
 
 # ------------------------------------------------------------------------------------------------ training
+@pytest.mark.slow
 def test_two_replicas_of_two_stages_train_and_report_the_pipeline(tmp_path):
     cfg = tiny(tmp_path, "2x2")
     results = run_ranks(_worker, 4, tmp_path, cfg, timeout=240)
@@ -110,6 +111,7 @@ def test_two_replicas_of_two_stages_train_and_report_the_pipeline(tmp_path):
         assert again[key] == pytest.approx(s[key]), key
 
 
+@pytest.mark.slow
 def test_allreduce_keeps_the_replicas_identical_and_starts_where_the_unsplit_model_does(tmp_path):
     split = tiny(tmp_path, "split", topology="allreduce", steps=40)
     run_ranks(_worker, 4, tmp_path, split, timeout=240)
@@ -154,6 +156,7 @@ def test_subspace_rank_is_checked():
     TrainConfig(n_embd=32, n_head=2, subspace_rank=32).validate()
 
 
+@pytest.mark.slow
 def test_subspace_stages_send_k_numbers_per_token_and_train(tmp_path):
     k = 16
     cfg = tiny(tmp_path, "subspace", subspace_rank=k)

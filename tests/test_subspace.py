@@ -111,6 +111,7 @@ print(b.fingerprint(), hashlib.sha256(e.numpy().tobytes()).hexdigest())
 """
 
 
+@pytest.mark.slow
 def test_basis_and_fixed_embedding_are_identical_in_fresh_processes():
     outs = [subprocess.run([sys.executable, "-c", _CHILD, str(s)], capture_output=True, text=True, check=True,
                            timeout=120).stdout.split() for s in (1, 2)]
@@ -706,6 +707,7 @@ def test_the_codec_moved_to_the_pipeline_and_the_old_names_warn():
         factor.Nope  # noqa: B018
 
 
+@pytest.mark.slow
 def test_the_gossip_codecs_never_import_the_pipeline():
     import ast
 

@@ -289,6 +289,9 @@ def _check_origin(h: _Header, codec: Codec, fingerprint: bytes, sender: int | No
     if bool(h.flags & FLAG_SHUFFLE) != (h.shuffle != 0):
         raise FrameError(f"frame shuffle flag ({bool(h.flags & FLAG_SHUFFLE)}) and element size ({h.shuffle}) "
                          "disagree")
+    if h.shuffle not in (0, codec.shuffle):  # another element size would reorder the body's bytes into other values
+        raise FrameError(f"frame shuffles {h.shuffle}-byte elements; {codec.name} frames shuffle {codec.shuffle} "
+                         "or none")
 
 
 def _decode_body(h: _Header, payload: bytes, codec: Codec, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
