@@ -210,7 +210,9 @@ def run_job(folder: Path, args: argparse.Namespace, env: dict[str, str], faults:
                     pending = []
                 else:
                     f = pending.pop(0)
-                    rec = _inject(f, args, tenures, slots, folder, env, address, launch.pid, last_store)
+                    late = progress() >= args.rounds - args.join_rounds  # a joiner needs time to start
+                    rec = _inject(f, args, tenures, slots, folder, env, None if late else address, launch.pid,
+                                  last_store)
                     if rec is not None:
                         if rec["kind"] == "store":
                             last_store = rec["at"]
@@ -219,12 +221,14 @@ def run_job(folder: Path, args: argparse.Namespace, env: dict[str, str], faults:
                               f"victim {rec.get('victim')}", flush=True)
                     next_check = now + 0.5
             time.sleep(0.1)
-        for t in tenures:  # joiners still running: let them finish
+        t_end = time.time() + args.joiner_grace
+        for t in tenures:  # joiners still running: let them finish (a joiner that never reached the store does not)
             if t.proc is not None:
                 try:
-                    t.proc.wait(timeout=max(60.0, deadline - time.time()))
+                    t.proc.wait(timeout=max(1.0, t_end - time.time()))
                 except subprocess.TimeoutExpired:
-                    t.proc.kill()
+                    os.killpg(t.proc.pid, signal.SIGKILL)  # its own session: its launcher, agent and worker
+                    t.proc.wait()
     finally:
         for t in tenures:
             if t.state == "stopped" and t.killed_pid:
@@ -298,7 +302,8 @@ def _inject(f: dict, args: argparse.Namespace, tenures: list[Tenure], slots: dic
         index = 1 + max(t.index for t in tenures)
         t = Tenure(k, folder / f"join{index}", index)
         t.proc = subprocess.Popen(_launch_cmd(args, t, 1, k, address), env={**env, "FGDILOCO_MIN_WORKERS": "0"},
-                                  cwd=folder, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                  cwd=folder, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  start_new_session=True)
         tenures.append(t)
         slots[k] = t
         rec.update(victim=k, tenure=index)
@@ -311,14 +316,16 @@ def _inject(f: dict, args: argparse.Namespace, tenures: list[Tenure], slots: dic
 
 # ---------------------------------------------------------------------------------------------------- summary
 def _lost(rounds: list[tuple[int, float]], start: float, end: float) -> tuple[int | None, float | None]:
-    """Rounds lost by a worker whose fault ran from ``start`` to ``end``, and seconds until it trained again."""
-    before = [r for r, t in rounds if t <= start]
-    after = [(r, t) for r, t in rounds if t > end]
+    """Rounds lost by a worker whose fault ran from ``start`` to ``end`` (the rounds from its last one before the
+    fault to its third one after it that it did not train: a hung worker first finishes the round it was in, then
+    jumps), and seconds from the fault to its first round after it."""
+    a = max((r for r, t in rounds if t <= start), default=-1)
+    after = sorted((t, r) for r, t in rounds if t > end)
     if not after:
         return None, None
-    a = max(before, default=-1)
-    b, tb = min(after, key=lambda x: x[1])
-    return max(b - a - 1, 0), tb - start
+    c = max(r for _, r in after[:3])
+    trained = {r for r, t in rounds if t > start and a < r <= c}
+    return max(c - a - len(trained), 0), after[0][0] - start
 
 
 def _median_round(run: dict) -> float:
@@ -351,6 +358,7 @@ def summarise(run: dict, clean: dict | None, rounds: int, timeout: float) -> dic
         "held_out_loss": statistics.mean(r["held_out_loss"] for r in full) if full else None,
         "workers_finished": len(full),
         "train_seconds": (max(last) - first) if last else None,
+        "train_seconds_median_worker": (statistics.median(last) - first) if last else None,
         "median_round_seconds": _median_round(run),
         "failed_exchanges": sum(r["failed_exchanges"] for r in res),
         "launch_rc": run["launch_rc"],
@@ -377,6 +385,8 @@ def summarise(run: dict, clean: dict | None, rounds: int, timeout: float) -> dic
         return row
     row["loss_vs_clean"] = row["held_out_loss"] / clean["held_out_loss"] if row["held_out_loss"] else None
     row["time_vs_clean"] = row["train_seconds"] / clean["train_seconds"] if row["train_seconds"] else None
+    row["median_worker_time_vs_clean"] = (row["train_seconds_median_worker"] / clean["train_seconds_median_worker"]
+                                          if row["train_seconds_median_worker"] else None)
     # per fault: rounds the victim lost, seconds the others lost
     d0 = clean["median_round_seconds"]
     faults = sorted(run["faults"], key=lambda f: f["at"])
@@ -384,8 +394,9 @@ def summarise(run: dict, clean: dict | None, rounds: int, timeout: float) -> dic
     for (slot, _), v in logs.items():
         by_slot.setdefault(slot, []).extend(v)
     per_fault = []
-    for i, f in enumerate(faults):
-        t_next = faults[i + 1]["at"] if i + 1 < len(faults) else f["at"] + 30.0
+    t_end = max(last) if last else 0.0
+    for i, f in enumerate(faults):  # the last fault's window ends with the job's last round
+        t_next = faults[i + 1]["at"] if i + 1 < len(faults) else min(f["at"] + 30.0, t_end)
         entry = {"kind": f["kind"], "victim": f.get("victim"), "at": f["at"] - run["t0"],
                  "others_lost_s": _others_lost(f, t_next, by_slot, d0)}
         if f["kind"] in ("kill", "stop", "bad_frames"):
@@ -603,8 +614,8 @@ def summarise_pipeline(run: dict, clean: dict | None, args: argparse.Namespace) 
     row["time_vs_clean"] = row["train_seconds"] / clean["train_seconds"]
     faults = sorted(run["faults"], key=lambda f: f["at"])
     per_fault = []
-    for i, f in enumerate(faults):
-        t_next = faults[i + 1]["at"] if i + 1 < len(faults) else f["at"] + 30.0
+    for i, f in enumerate(faults):  # the last fault's window ends with the job's last round
+        t_next = faults[i + 1]["at"] if i + 1 < len(faults) else min(f["at"] + 30.0, max(last))
         entry = {"kind": f["kind"], "victim": f.get("victim"), "stage": f.get("stage"), "at": f["at"] - run["t0"],
                  "others_lost_s": _others_lost(f, t_next, logs, clean["median_round_seconds"])}
         if f["kind"] == "store":
@@ -624,6 +635,8 @@ def main_pipeline(args: argparse.Namespace) -> int:
     weights = [float(w) for k, w in zip(args.kinds.split(","), args.weights.split(",")) if k in kinds]
     lo, hi = (float(x) for x in args.stop_seconds.split(","))
     schedule = make_schedule(args.faults, args.interval, args.seed, kinds, weights, (lo, hi))
+    if args.keep:
+        Path(args.keep).mkdir(parents=True, exist_ok=True)
     folder = contextlib.nullcontext(tempfile.mkdtemp(dir=args.keep)) if args.keep else tempfile.TemporaryDirectory()
     with folder as tmp:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -643,7 +656,8 @@ def main_pipeline(args: argparse.Namespace) -> int:
             print(f"  {'met   ' if v else 'MISSED'} {k}")
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"config": vars(args), "clean": clean, "chaos": chaos, "targets": met,
-                                   "launch_tail": run["launch_tail"]}, indent=2, default=str))
+                                   "launch_tail": run["launch_tail"], "faults_injected": run["faults"]}, indent=2,
+                                  default=str))
         print(f"wrote {out}")
     return 0
 
@@ -658,21 +672,24 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--spare", type=int, default=2, help="slots beyond --workers, free for joiners")
-    p.add_argument("--rounds", type=int, default=250)
+    p.add_argument("--rounds", type=int, default=320)
     p.add_argument("--sync-every", type=int, default=20)
     p.add_argument("--n-embd", type=int, default=32)
     p.add_argument("--vocab-size", type=int, default=512)
     p.add_argument("--timeout", type=float, default=30.0, help="the workers' exchange timeout (seconds)")
-    p.add_argument("--faults", type=int, default=110, help="faults in the schedule (fewer happen if the job ends)")
-    p.add_argument("--interval", type=float, default=2.5, help="mean seconds between faults")
+    p.add_argument("--faults", type=int, default=160, help="faults in the schedule (fewer happen if the job ends)")
+    p.add_argument("--interval", type=float, default=2.0, help="mean seconds between faults")
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--weights", default="3,2,1,1,2,1")
     p.add_argument("--stop-seconds", default="5,20")
     p.add_argument("--bad-rounds", type=int, default=2)
-    p.add_argument("--min-up", type=int, default=4, help="never take a worker down when only this many are up")
-    p.add_argument("--max-out", type=int, default=4, help="at most this many workers down, stopped or joining")
+    p.add_argument("--min-up", type=int, default=3, help="never take a worker down when only this many are up")
+    p.add_argument("--max-out", type=int, default=6, help="at most this many workers down, stopped or joining")
     p.add_argument("--store-gap", type=float, default=15.0, help="seconds between two store restarts at least")
     p.add_argument("--quiet-rounds", type=int, default=8, help="no fault in the last rounds")
+    p.add_argument("--join-rounds", type=int, default=40, help="no join in the last rounds (it takes time to start)")
+    p.add_argument("--joiner-grace", type=float, default=120.0,
+                   help="seconds a joiner may run on after the main launch ended")
     p.add_argument("--max-restarts", type=int, default=1000)
     p.add_argument("--job-timeout", type=float, default=1800.0)
     p.add_argument("--seed", type=int, default=0)
@@ -712,7 +729,7 @@ def main(argv: list[str] | None = None) -> int:
         for k, v in met.items():
             print(f"  {'met   ' if v else 'MISSED'} {k}")
         result = {"config": vars(args), "schedule_seed": args.seed, "clean": clean, "chaos": chaos, "targets": met,
-                  "launch_tail": chaos_run["launch_tail"],
+                  "launch_tail": chaos_run["launch_tail"], "faults_injected": chaos_run["faults"],
                   "note": "2-core machine shared by every worker, agent and the store; see benchmarks/RESULTS.md"}
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2, default=str))

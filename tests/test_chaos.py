@@ -16,6 +16,8 @@ def test_the_schedule_is_seeded_increasing_and_drawn_from_the_kinds():
 def test_rounds_lost_and_seconds_lost_are_counted_from_the_round_log():
     rounds = [(0, 10.0), (1, 11.0), (2, 12.0), (6, 20.0), (7, 21.0)]  # away from 12.5 to 19: rounds 3-5 lost
     assert _lost(rounds, 12.5, 19.0) == (3, 7.5)
+    hung = [(0, 10.0), (1, 11.0), (2, 19.5), (9, 20.0), (10, 21.0)]  # finishes round 2 after a hang, then jumps
+    assert _lost(hung, 11.5, 19.0) == (6, 8.0)
     assert _lost(rounds, 21.5, 21.5) == (None, None)  # never trained again
     rounds_of = {0: [(r, 10.0 + r) for r in range(10)], 1: [(0, 10.0), (1, 12.0), (2, 15.0)]}
     f = {"at": 10.5, "up": [0, 1, 2], "victim": 2}
