@@ -168,7 +168,8 @@ def run_job(folder: Path, args: argparse.Namespace, env: dict[str, str], faults:
     main = [Tenure(k, folder, 0) for k in range(args.workers)]
     launch_log = open(folder / "launch.log", "w")  # noqa: SIM115 - closed below
     launch = subprocess.Popen(_launch_cmd(args, main[0], args.workers, 0, None), env=env, cwd=folder,
-                              stdout=launch_log, stderr=subprocess.STDOUT)
+                              stdout=launch_log, stderr=subprocess.STDOUT,
+                              start_new_session=True)
     slots: dict[int, Tenure | None] = {k: main[k] for k in range(args.workers)}
     slots.update({k: None for k in range(args.workers, args.workers + args.spare)})
     tenures = list(main)
@@ -191,7 +192,8 @@ def run_job(folder: Path, args: argparse.Namespace, env: dict[str, str], faults:
                 if t.state in ("joining", "down") and pid and pid != t.killed_pid and _alive(pid):
                     t.state = "up"
                 elif t.state == "stopped" and now >= t.until:
-                    os.kill(t.killed_pid, signal.SIGCONT)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(t.killed_pid, signal.SIGCONT)
                     t.state = "up"
                 elif t.state == "leaving" and not _alive(pid):
                     t.state = "left"
@@ -233,8 +235,9 @@ def run_job(folder: Path, args: argparse.Namespace, env: dict[str, str], faults:
         for t in tenures:
             if t.state == "stopped" and t.killed_pid:
                 os.kill(t.killed_pid, signal.SIGCONT)
-        if launch.poll() is None:
-            launch.kill()
+        if launch.poll() is None:  # the driver failed: the whole launch goes (its agents and workers too)
+            os.killpg(launch.pid, signal.SIGKILL)
+            launch.wait()
         launch_log.close()
     launch_out = (folder / "launch.log").read_text(errors="replace")
     return {"folder": str(folder), "t0": t0, "faults": done_faults, "launch_rc": launch.returncode,
@@ -285,6 +288,8 @@ def _inject(f: dict, args: argparse.Namespace, tenures: list[Tenure], slots: dic
         victim = up[int(f["pick"] * len(up))]
         pid = victim.pid()
         rec.update(victim=victim.slot, tenure=victim.index, pid=pid)
+        if not _alive(pid):  # it died meanwhile
+            return None
         if kind == "kill":
             os.kill(pid, signal.SIGKILL)
             victim.state, victim.killed_pid = "down", pid
@@ -519,7 +524,8 @@ def run_pipeline_job(folder: Path, args: argparse.Namespace, env: dict[str, str]
            str(args.sync_every), "--checkpoint-dir", str(folder / "ckpt"), "--results", str(folder / "res"),
            "--log-rounds"]
     launch_log = open(folder / "launch.log", "w")  # noqa: SIM115 - closed below
-    launch = subprocess.Popen(cmd, env=env, cwd=folder, stdout=launch_log, stderr=subprocess.STDOUT)
+    launch = subprocess.Popen(cmd, env=env, cwd=folder, stdout=launch_log, stderr=subprocess.STDOUT,
+                              start_new_session=True)
     state = {k: {"state": "up", "life": 0, "pid": None, "until": 0.0} for k in range(n)}
     pending, done, t0, last_store = list(faults or []), [], None, 0.0
     deadline = time.time() + args.job_timeout
@@ -538,7 +544,8 @@ def run_pipeline_job(folder: Path, args: argparse.Namespace, env: dict[str, str]
                 if st["state"] == "down" and life > st["life"] and len(pids) == 2 and all(map(_alive, pids)):
                     st["state"], st["life"] = "up", life
                 elif st["state"] == "stopped" and now >= st["until"]:
-                    os.kill(st["pid"], signal.SIGCONT)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(st["pid"], signal.SIGCONT)
                     st["state"] = "up"
             progress = max((r for k in range(n) for r, _ in _rounds(logs / f"worker{k}.log", 1)[-1:]), default=-1)
             if pending and now >= t0 + pending[0]["at"]:
@@ -561,16 +568,23 @@ def run_pipeline_job(folder: Path, args: argparse.Namespace, env: dict[str, str]
                 else:
                     k = up[int(f["pick"] * len(up))]
                     life, pids = _stage_pids(logs / f"worker{k}.lives")
+                    if len(pids) != 2 or not all(map(_alive, pids)):
+                        state[k].update(state="down", life=life - 1)  # between lives: up again at its next one
+                        continue
                     stage = int(f["pick"] * 1000) % len(pids)
                     pid = pids[stage]
                     rec.update(victim=k, tenure=0, stage=stage, pid=pid)
-                    if kind == "kill":
-                        os.kill(pid, signal.SIGKILL)
+                    try:
+                        if kind == "kill":
+                            os.kill(pid, signal.SIGKILL)
+                            state[k].update(state="down", life=life)
+                        else:
+                            os.kill(pid, signal.SIGSTOP)
+                            state[k].update(state="stopped", pid=pid, until=now + f["seconds"])
+                            rec["end"] = now + f["seconds"]
+                    except ProcessLookupError:  # the life ended meanwhile (torchrun restarts the replica)
                         state[k].update(state="down", life=life)
-                    else:
-                        os.kill(pid, signal.SIGSTOP)
-                        state[k].update(state="stopped", pid=pid, until=now + f["seconds"])
-                        rec["end"] = now + f["seconds"]
+                        continue
                 done.append(rec)
                 print(f"  fault {len(done):3d} at {now - t0:6.1f} s: {kind:<6} victim {rec['victim']}"
                       + (f" stage {rec['stage']}" if "stage" in rec else ""), flush=True)
@@ -578,9 +592,11 @@ def run_pipeline_job(folder: Path, args: argparse.Namespace, env: dict[str, str]
     finally:
         for st in state.values():
             if st["state"] == "stopped":
-                os.kill(st["pid"], signal.SIGCONT)
-        if launch.poll() is None:
-            launch.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(st["pid"], signal.SIGCONT)
+        if launch.poll() is None:  # the driver failed: the whole launch goes (its agents and workers too)
+            os.killpg(launch.pid, signal.SIGKILL)
+            launch.wait()
         launch_log.close()
     return {"folder": str(folder), "t0": t0, "faults": done, "launch_rc": launch.returncode,
             "launch_tail": (folder / "launch.log").read_text(errors="replace")[-3000:]}
