@@ -13,6 +13,9 @@ restart and rejoin; ``--fail-at-start-worker K`` makes it die before it builds a
 departure notice). When the gossip store is out of reach for ``--store-timeout`` seconds, ``opt.step()`` raises
 ``StoreUnreachable``: the worker stops with its last checkpoint, and ``fgdiloco launch --resume`` (the same command
 again) continues from it.
+``--chaos`` (for ``benchmarks.chaos``): SIGUSR1 makes the worker leave cleanly at its next step (``opt.close()``, exit
+0), and SIGUSR2 makes it send bad frames for ``--chaos-bad-rounds`` outer rounds (alternately corrupt: a byte
+flipped; and foreign: another model layout's fingerprint), which its peers reject.
 ``--results DIR`` writes ``DIR/worker<k>.pid`` when a worker starts (kept afterwards) and ``DIR/worker<k>.json``
 (rounds trained, held-out loss, rejoins, failed exchanges and their messages) when it finishes.
 """
@@ -20,6 +23,7 @@ again) continues from it.
 import argparse
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -51,7 +55,28 @@ p.add_argument("--fail-at-start-lives", type=int, default=1)
 p.add_argument("--leave-worker", type=int, default=None, help="this worker leaves (close()) at --leave-round")
 p.add_argument("--leave-round", type=int, default=3)
 p.add_argument("--results", default=None, help="write <dir>/worker<k>.json at the end")
+p.add_argument("--chaos", action="store_true", help="SIGUSR1: leave cleanly; SIGUSR2: send bad frames for a while")
+p.add_argument("--chaos-bad-rounds", type=int, default=2, help="outer rounds of bad frames per SIGUSR2")
 args = p.parse_args()
+chaos = {"leave": False, "bad_left": 0, "bad_count": 0}
+if args.chaos:  # installed before anything else, so no signal of benchmarks.chaos ever meets the default action
+    import fgdiloco.gossip.mix as _mix
+
+    _real_encode = _mix.encode_frame
+
+    def _bad_encode(*a, **kw):  # a broken or foreign peer, as its receivers see it
+        if chaos["bad_left"] <= 0:
+            return _real_encode(*a, **kw)
+        if chaos["bad_count"] % 2 and kw.get("fingerprint"):  # foreign: another model's layout
+            return _real_encode(*a, **dict(kw, fingerprint=bytes(b ^ 0xFF for b in kw["fingerprint"])))
+        frame = bytearray(_real_encode(*a, **kw))  # corrupt: one byte flipped in the middle
+        frame[len(frame) // 2] ^= 0xFF
+        return bytes(frame)
+
+    _mix.encode_frame = _bad_encode
+    signal.signal(signal.SIGUSR1, lambda *_: chaos.update(leave=True))
+    signal.signal(signal.SIGUSR2, lambda *_: chaos.update(bad_left=args.chaos_bad_rounds,
+                                                          bad_count=chaos["bad_count"] + 1))
 
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 worker = int(os.environ["FGDILOCO_WORKER"])  # fgdiloco launch sets it (and FGDILOCO_STORE, FGDILOCO_WORKERS)
@@ -98,6 +123,9 @@ while opt.round < args.rounds:
     if args.leave_worker == worker and opt.round == args.leave_round:
         print(f"worker {worker}: leaving at round {opt.round} (--leave-worker)", flush=True)
         break
+    if chaos["leave"]:
+        print(f"worker {worker}: leaving at round {opt.round} (SIGUSR1) at {time.time():.3f}", flush=True)
+        break
     if args.crash_worker == worker and life == 0 and opt.round == args.crash_round:
         print(f"worker {worker}: dying at round {opt.round} (--crash-worker) at {time.time():.3f}", flush=True)
         os._exit(1)
@@ -113,6 +141,7 @@ while opt.round < args.rounds:
         trained.append(s.round)
         failed += s.failed_exchanges
         errors += [f"round {s.round}: {e}" for e in s.errors]
+        chaos["bad_left"] -= 1
         print(f"worker {worker} round {s.round:3d}  train {loss.item():.3f}  failed {s.failed_exchanges}  "
               f"rejoins {s.rejoins}  at {time.time():.3f}", flush=True)
         if ckpt is not None and opt.round % args.checkpoint_every == 0:
@@ -127,4 +156,5 @@ if args.results:
     Path(args.results).mkdir(parents=True, exist_ok=True)
     (Path(args.results) / f"worker{worker}.json").write_text(json.dumps({
         "worker": worker, "life": life, "rounds_trained": trained, "held_out_loss": loss, "rejoins": opt.rejoins,
-        "failed_exchanges": failed, "errors": errors, "final_round": opt.round, "seconds": time.time() - t0}))
+        "failed_exchanges": failed, "errors": errors, "final_round": opt.round, "seconds": time.time() - t0,
+        "left": chaos["leave"]}))

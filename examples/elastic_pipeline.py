@@ -8,12 +8,14 @@ stages; torchrun restarts the S together when one dies. The script's additions t
 ``init_replica_group`` (the replica's process group, fresh on every restart), ``ReplicaMesh(1, S)`` (one replica:
 the others are other jobs), ``FGDiLoCo(..., mesh=mesh, elastic=True)`` (each stage gossips with the same stage of
 the other replicas), and a checkpoint per stage. ``--crash-worker K --crash-stage S --crash-round R`` makes that
-stage die (``os._exit``) at round R of its first life; ``--results DIR`` writes ``DIR/worker<k>.stage<s>.json``.
+stage die (``os._exit``) at round R of its first life; ``--results DIR`` writes ``DIR/worker<k>.stage<s>.json``;
+``--log-rounds`` prints a line per outer round and stage (``benchmarks.chaos --pipeline`` reads them).
 """
 
 import argparse
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -31,6 +33,7 @@ p.add_argument("--crash-worker", type=int, default=None)
 p.add_argument("--crash-stage", type=int, default=0)
 p.add_argument("--crash-round", type=int, default=3)
 p.add_argument("--results", default=None)
+p.add_argument("--log-rounds", action="store_true", help="print a line per outer round (with its time)")
 args = p.parse_args()
 
 torch.set_num_threads(1)
@@ -60,6 +63,9 @@ while opt.round < args.rounds:
     opt.zero_grad()
     if loss is not None:
         losses.append(loss.item())
+    if args.log_rounds and opt.round != before and opt.last_round is not None and opt.last_round.round == before:
+        print(f"worker {worker} stage {mesh.stage} round {before:3d}  loss {losses[-1] if losses else 0.0:.3f}  "
+              f"failed {opt.last_round.failed_exchanges}  at {time.time():.3f}", flush=True)
     if ckpt is not None and opt.round != before:
         ckpt.parent.mkdir(parents=True, exist_ok=True)
         torch.save(opt.state_dict(), ckpt.with_suffix(".tmp"))

@@ -103,6 +103,17 @@ def test_connect_waits_a_bounded_time_for_the_first_workers_and_names_the_missin
     got[1].close()
 
 
+def test_a_worker_that_finds_the_job_past_round_0_does_not_wait_for_the_first_workers(store):
+    # after a store restart only the slots that re-published count as joined: a restarted worker (or a late joiner)
+    # must not wait its whole join timeout for first workers that finished, left or are down meanwhile
+    a = connect(store.address, 0, 3, min_workers=1)
+    a.membership.publish_round(4)
+    t0 = time.monotonic()
+    b = connect(store.address, 1, 3, min_workers=3, wait=20.0)
+    assert time.monotonic() - t0 < 5.0
+    a.close(), b.close()
+
+
 @pytest.mark.slow
 def test_a_second_process_on_a_held_slot_is_refused_and_a_restart_or_a_dead_holders_slot_is_taken(store,
                                                                                                   monkeypatch):

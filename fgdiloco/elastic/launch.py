@@ -105,7 +105,9 @@ def connect(address: str | None = None, worker: int | None = None, workers: int 
     Arguments default to the environment (:func:`settings`). Admission: every worker of a job must have the same slot
     count, model layout (``fingerprint``) and job secret (``secret``: only an HMAC of it goes to the store); the
     first worker's are the job's. The first workers wait (at most ``wait`` seconds, default ``timeout``) until
-    ``min_workers`` slots (default: all) have joined, so that no one spends round 0 with an empty partner slot; after
+    ``min_workers`` slots (default: all) have joined, so that no one spends round 0 with an empty partner slot (a
+    worker that finds the job past round 0, a restart or a late joiner, does not wait: after a restart of the store
+    the slots of workers that finished, left or are down meanwhile never count as joined again); after
     that they start without the missing slots (a warning names them; those slots join later, or never: their
     exchanges are skipped at once).
 
@@ -131,8 +133,8 @@ def connect(address: str | None = None, worker: int | None = None, workers: int 
     t0, want, wait = time.monotonic(), int(s["min_workers"]), timeout if wait is None else wait
     while True:
         joined = membership.joined()
-        if len(joined) >= want:
-            break
+        if len(joined) >= want or (membership.live_round() or 0) > 0:
+            break  # enough slots joined, or the job is past round 0: a restart or a late joiner waits for no one
         if time.monotonic() - t0 > wait:
             missing = sorted(set(range(int(s["workers"]))) - set(joined))
             log.warning("fgdiloco: worker %d starts without slot(s) %s: only %d of the %d first workers joined "
