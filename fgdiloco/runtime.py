@@ -111,6 +111,12 @@ class Background:
             raise self._box["error"]
         return self._box["value"]
 
+    def forsake(self) -> None:
+        """Stop counting this job as running: the exit drain does not wait for it (a Gloo call that will not end
+        by its deadline; its daemon thread is left to the process's exit)."""
+        with _RUNNING_LOCK:
+            _RUNNING.discard(self)
+
     def settle(self) -> None:
         """Wait for ``fn`` to end and drop whatever it returned or raised (a job whose result is not used)."""
         with contextlib.suppress(Exception):

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import abc
 import datetime
+import logging
 import secrets
 import threading
 import time
@@ -46,6 +47,8 @@ import torch.distributed as dist
 from ..config import FGDiLoCoConfig
 from ..runtime import Background, ExchangeError, call_with_deadline, supervise
 from .membership import Membership, StoreMembership
+
+log = logging.getLogger("fgdiloco")
 
 __all__ = ["Channel", "ExchangeError", "PeerDeclined", "PeerLeft", "Transport", "DistributedTransport",
            "LocalHub", "LocalTransport", "gone_error"]
@@ -415,14 +418,22 @@ class DistributedTransport(Transport):
             return store.add(f"{self.membership.prefix(peer, key)}/abandoned/{peer}", 0) > 0
 
     def close(self) -> None:
-        """Let every exchange being set up finish (each bounded by its timeout) and release it; stop the
-        membership's heartbeat. A daemon thread still inside Gloo when the interpreter exits aborts the process, so
-        this runs before exit (``FGDiLoCo.close``, also called at exit)."""
+        """Let every exchange being set up finish, each for at most its join deadline, and release it; stop the
+        membership's heartbeat. Runs before exit (``FGDiLoCo.close``, also called at exit). A pair group whose peer
+        died between agreeing to meet and connecting can leave Gloo's listening side waiting past the group's
+        timeout (seen with torch 2.13): that set-up is left to the process's exit, not waited for."""
         with self._pending_lock:
-            pending, self._pending = list(self._pending.values()), {}
-        for p in pending:
-            if p.job is not None:
-                p.job.settle()
+            pending, self._pending = list(self._pending.items()), {}
+        for (peer, _), p in pending:
+            if p.job is None:
+                continue
+            try:  # a peer that is gone will not connect: its set-up is not waited for
+                bound = 0.0 if self.membership.gone(peer, time.monotonic()) else self.join_timeout + 1.0
+            except Exception:  # noqa: BLE001 - a store that is gone: the set-up ends by its own deadline
+                bound = self.join_timeout + 1.0
+            if not p.job.wait(bound):
+                p.job.forsake()
+                log.warning("fgdiloco rank %d: %s is still inside Gloo; not waiting for it", self.rank, p.job.what)
         super().close()
 
     # ------------------------------------------------------------------ collectives (the exact topology)
