@@ -77,11 +77,14 @@ def test_a_worker_killed_from_outside_is_restarted_and_rejoins_while_the_others_
     assert "1 worker restart(s), " in stdout and "Traceback" not in stderr
 
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["restarts"] == 1 and summary["rejoins"] == 1 and summary["workers_lost"] == []
+    assert summary["restarts"] == 1 and summary["rejoins"] >= 1 and summary["workers_lost"] == []
     assert summary["rounds"] == summary["rounds_planned"] == steps // h and summary["steps"] == steps
     assert summary["interrupted"] is False and summary["stopped_early"] is False
-    # worker 3's new life joins the job once (the first round its peers start after its restart)
-    assert {e["worker"] for e in summary["rejoin_events"]} == {3} and len(summary["rejoin_events"]) == 1
+    # worker 3's new life joins the job (the first round its peers start after its restart); on a loaded machine
+    # its first rounds can leave it 3 rounds behind again, and it catches up once more: only worker 3 rejoins, and
+    # always forward
+    assert {(e["worker"], e["life"]) for e in summary["rejoin_events"]} == {(3, 1)}
+    assert all(e["round"] > e["from_round"] for e in summary["rejoin_events"])
     event = summary["rejoin_events"][0]
     # it continued from its newest checkpoint (every 2 rounds; it had reported round 10 or a little later)
     last_report = max(e["round"] for e in _events(out, 3, "row") if e["life"] == 0)
@@ -97,7 +100,8 @@ def test_a_worker_killed_from_outside_is_restarted_and_rejoins_while_the_others_
     # while worker 3 was down, the rows are the three survivors' means; it reports again after its rejoin
     down = [r["workers_reporting"] for r in rows if last_report < r["round"] <= event["round"]]
     assert down == [3] * len(down)
-    assert all(r["workers_reporting"] == 4 for r in rows if r["round"] > event["round"] + 2 * every)
+    back = summary["rejoin_events"][-1]["round"]  # after its last rejoin it reports every point again
+    assert all(r["workers_reporting"] == 4 for r in rows if r["round"] > back + 2 * every)
     assert rows[-1]["workers_reporting"] == 4 and rows[-1]["restarts_so_far"] == 1
     assert rows[-1]["rejoins_so_far"] == summary["rejoins"]
     assert rows[-1]["eval_loss"] < rows[0]["eval_loss"] - 0.5  # it trained
