@@ -530,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     result["table"] = table
     if any(r["method"] == "torchft-diloco" for r in runs):
         result["peers_table"] = compare(runs, bandwidths, "torchft-diloco")
-        result["targets_vs_torchft_100mbit"] = peer_targets(result["peers_table"])
+        result["targets_vs_torchft"] = peer_targets(result["peers_table"])
     if sens_runs:
         result["sensitivity"] = {"sync_every": extra_h, "bandwidth_mbit": 100.0, "runs": sens_runs,
                                  "table": compare(sens_runs, [100.0])}
@@ -558,7 +558,7 @@ def reanalyse(path: Path) -> int:
         result["sensitivity"]["table"] = compare(result["sensitivity"]["runs"], [100.0])
     if any(r["method"] == "torchft-diloco" for r in result["runs"]):
         result["peers_table"] = compare(result["runs"], bandwidths, "torchft-diloco")
-        result["targets_vs_torchft_100mbit"] = peer_targets(result["peers_table"])
+        result["targets_vs_torchft"] = peer_targets(result["peers_table"])
     result["plot"] = plot(result["runs"], bandwidths, result["table"], path.parent,
                           name=Path(result.get("plot") or "wan_loss.png").name)
     if result.get("dead_worker_runs"):
@@ -663,7 +663,7 @@ def print_tables(result: dict[str, Any]) -> None:
     if result.get("peers_table"):
         print("\n[wan] against torchft")
         print(markdown_tables(result, "peers_table"))
-        print("[wan] targets against torchft at 100 Mbit/s:", json.dumps(result.get("targets_vs_torchft_100mbit"),
+        print("[wan] targets against torchft (each side's best setting):", json.dumps(result.get("targets_vs_torchft"),
                                                                          indent=1))
     if result.get("dead_worker_runs"):
         print("\n" + dead_worker_table(result["dead_worker_runs"]))

@@ -170,8 +170,24 @@ def test_compare_against_torchft_and_the_targets():
     q = fg[ratio_key("torchft-diloco")]
     assert math.isclose(q["seconds_to_target"], 0.5) and math.isclose(q["wire_tx_bytes_per_worker"], 0.25)
     assert t["methods"]["torchft-streaming"]["seconds_to_target"] is None
-    tg = peer_targets({"100": t})
-    assert tg["evaluated"] and math.isclose(tg["fg_vs_torchft_diloco"], 0.5) and tg["fg_vs_torchft_diloco_le_0.7"]
-    assert tg["fg_vs_torchft_streaming"] is None and tg["fg_vs_torchft_streaming_le_1.0"]
+    tg = peer_targets({"100": t})["100mbit"]
+    assert tg["fg_best"] == "fg-lowrank-r2=1" and tg["streaming_best"] is None
+    assert math.isclose(tg["fg_vs_torchft_diloco"], 0.5) and tg["fg_vs_torchft_diloco_le_0.6"]
+    assert tg["fg_vs_streaming"] is None and tg["fg_vs_streaming_le_0.8"]  # Streaming never reaches the target
+    assert not tg["fg_utilisation_ge_0.97"] and tg["fg_bytes_vs_streaming"] is None
     assert peer_targets({}) == {"evaluated": False}
     assert ratio_key("diloco") in compare(runs, [100.0])["100"]["methods"]["fg-lowrank-r2=1"]
+
+
+def test_peer_targets_take_each_sides_best_setting():
+    runs = [_run("torchft-diloco", [7, 6, 5, 4], [0, 10, 20, 30], tx=1e6),
+            _run("torchft-streaming", [7, 6, 5, 4], [0, 9, 18, 27], tx=1e6),
+            _run("torchft-streaming-f2", [7, 5, 4, 3.9], [0, 8, 16, 24], tx=1e6),  # streaming's best: 16 s
+            _run("fg-lowrank-r2=1", [7, 6, 5, 4], [0, 8, 16, 24], util=0.9, tx=4e5),
+            _run("fg-stream-f2", [7, 5, 4, 3.8], [0, 6, 12, 18], util=0.98, tx=4e5)]  # fg's best: 12 s
+    tg = peer_targets(compare(runs, [100.0], "torchft-diloco"))["100mbit"]
+    assert (tg["fg_best"], tg["streaming_best"]) == ("fg-stream-f2", "torchft-streaming-f2")
+    assert math.isclose(tg["fg_vs_streaming"], 12 / 16) and tg["fg_vs_streaming_le_0.8"]
+    assert math.isclose(tg["fg_vs_torchft_diloco"], 0.4) and tg["fg_vs_torchft_diloco_le_0.6"]
+    assert tg["fg_utilisation_ge_0.97"] and math.isclose(tg["fg_bytes_vs_streaming"], 0.4) and tg["fg_bytes_le_0.5"]
+    assert tg["fg_loss_at_equal_tokens_no_worse"]
