@@ -4,6 +4,8 @@ Run from the repository root::
 
     python -m benchmarks.consensus                  # the full study (about 15-20 minutes on 2 cores)
     python -m benchmarks.consensus --quick          # 30 rounds, fewer variants: a smoke run
+    python -m benchmarks.consensus --sync-every 10 --variants "FG lowrank" "FG lowrank, F=2, tau=2" \
+        "FG lowrank, F=2, tau=2, alpha=0.5"      # Streaming DiLoCo's knobs at H = 10 (about 15 minutes)
 
 1. **Training** (the example GPT, 2 layers of width 64, on the bundled corpus, 4 workers, batches of 16 × 64 tokens,
    H = 5, 100 outer rounds, AdamW inner at lr 3e-3 with clipping at 1.0, Nesterov outer lr 0.7 / momentum 0.9,
@@ -13,7 +15,9 @@ Run from the repository root::
    shared accumulators; every variant starts from the same weights and sees the same batches. Variants: DiLoCo
    (``topology="allreduce"``), FG-DiLoCo with the dense codec and with the default low-rank codec
    (``LowRank(rank=4)``, int8), ``mix2_rounds`` ∈ {0, 1, 2}, each with the outer momentum gossiped in Mix1
-   (``mix_momentum=True``, the default) or kept local. Reported per round: held-out loss of each worker and of the
+   (``mix_momentum=True``, the default) or kept local, and low rank with Streaming DiLoCo's fragments (F = 2),
+   overlap (τ) and merge (α) (``--sync-every 10``: H = 10, results in ``consensus_h10.json``; with fragments the
+   Mix2 contraction is fragment 0's). Reported per round: held-out loss of each worker and of the
    workers' average model, the disagreement of parameters, pseudo-gradients (before and after Mix2: Mix2's
    contraction on real pseudo-gradients) and outer momentum (RMS per element of ``x_i − x̄`` over all workers, and
    relative to ``‖x̄‖``), and bytes per worker.
@@ -69,6 +73,11 @@ VARIANTS: dict[str, dict] = {
     "FG dense, exponential, mix1_rounds=2, mix2_rounds=2": dict(codec="dense", mix1_codec="dense",
                                                                 topology="exponential", mix1_rounds=2,
                                                                 mix2_rounds=2),
+    "FG lowrank, F=2": dict(codec=lambda: LowRank(rank=4), fragments=2),
+    "FG lowrank, F=2, alpha=0.5": dict(codec=lambda: LowRank(rank=4), fragments=2, merge_alpha=0.5),
+    "FG lowrank, F=2, tau=2": dict(codec=lambda: LowRank(rank=4), fragments=2, overlap_steps=2),
+    "FG lowrank, F=2, tau=2, alpha=0.5": dict(codec=lambda: LowRank(rank=4), fragments=2, overlap_steps=2,
+                                              merge_alpha=0.5),
 }
 QUICK = ("DiLoCo", "FG dense", "FG lowrank", "FG lowrank, local momentum")
 
@@ -139,14 +148,14 @@ class _Spreads(Reporter):
 
 
 def _worker(rank: int, knobs: dict, hub: LocalHub, init: dict, cfg: GPTConfig, data: tuple, shared: dict,
-            rounds: int, eval_every: int) -> None:
+            rounds: int, eval_every: int, h: int) -> None:
     """One worker (a thread): the example job's training loop with FG-DiLoCo on the in-process hub, AdamW at a
     constant learning rate, clipping at ``GRAD_CLIP``; Mix2's inputs and outputs recorded for its contraction."""
     train, val, _ = data
     torch.set_num_threads(1)
     model = GPT(cfg)
     model.load_state_dict(init)
-    config = FGDiLoCoConfig.build(sync_every=H, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM, timeout=120.0,
+    config = FGDiLoCoConfig.build(sync_every=h, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM, timeout=120.0,
                                   seed=1, **{k: (v() if callable(v) else v) for k, v in knobs.items()})
     sync = FGDiLoCoSync(model, torch.optim.AdamW(model.parameters(), lr=INNER_LR), config, grad_clip=GRAD_CLIP,
                         transport=hub.transport(rank))
@@ -161,10 +170,10 @@ def _worker(rank: int, knobs: dict, hub: LocalHub, init: dict, cfg: GPTConfig, d
     sync.opt._mixer2.run = recorded
     g = torch.Generator().manual_seed(1000 + rank)
     Loop(sync, _Spreads(shared, sync, eval_every, rounds), lambda step: sample_batch(train, BATCH, BLOCK, g),
-         _eval_set(val), steps=rounds * H, sync_every=H, eval_every=eval_every).run()
+         _eval_set(val), steps=rounds * h, sync_every=h, eval_every=eval_every).run()
 
 
-def train_variant(name: str, knobs: dict, rounds: int, data: tuple, eval_every: int) -> dict:
+def train_variant(name: str, knobs: dict, rounds: int, data: tuple, eval_every: int, h: int = H) -> dict:
     """The variant ``knobs`` on ``WORKERS`` threads for ``rounds`` rounds: per-round disagreement, Mix2's
     contraction, bytes, and the held-out losses of the workers and of their average model."""
     train, val, vocab = data
@@ -178,7 +187,7 @@ def train_variant(name: str, knobs: dict, rounds: int, data: tuple, eval_every: 
 
     def worker(rank: int) -> None:
         try:
-            _worker(rank, knobs, hub, init, cfg, data, shared, rounds, eval_every)
+            _worker(rank, knobs, hub, init, cfg, data, shared, rounds, eval_every, h)
         except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
             errors.append(e)
             hub.dead.add(rank)
@@ -204,8 +213,10 @@ def _rows(shared: dict, rounds: int, cfg: GPTConfig, val: torch.Tensor) -> list[
         row = {"round": t + 1, "bytes_sent_per_worker": statistics.fmean(shared["bytes"][t]),
                "param_rms": params.done[t][0], "param_relative": params.done[t][1],
                "momentum_rms": momentum.done[t][0], "momentum_relative": momentum.done[t][1],
-               "pseudo_gradient_relative": delta_in.done[t][1],
-               "mix2_contraction": (delta_out.done[t][0] / delta_in.done[t][0]) if delta_in.done[t][0] > 0 else 0.0}
+               # with fragments: fragment 0's Mix2 (a fragment's last round may end after the last step)
+               "pseudo_gradient_relative": delta_in.done.get(t, (0.0, 0.0))[1],
+               "mix2_contraction": (delta_out.done[t][0] / delta_in.done[t][0])
+               if t in delta_in.done and delta_in.done[t][0] > 0 else 0.0}
         if t in shared["losses"]:
             mean = params.done[t][2]
             off, sd = 0, {}
@@ -298,6 +309,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=100)
     p.add_argument("--quick", action="store_true", help="30 rounds and four variants")
     p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--sync-every", type=int, default=H, help=f"H, inner steps per outer round (default {H})")
     p.add_argument("--variants", nargs="*", default=None, help=f"a subset of {list(VARIANTS)} (DiLoCo is always run)")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
@@ -318,9 +330,11 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{row['ratio_per_round']:.3f} (max {row['max_ratio']:.3f})", flush=True)
     data = _data(args.quick)
     training = {}
-    config = {"workers": WORKERS, "sync_every": H, "rounds": rounds, "batch": BATCH, "block": BLOCK, **MODEL,
+    h = args.sync_every
+    config = {"workers": WORKERS, "sync_every": h, "rounds": rounds, "batch": BATCH, "block": BLOCK, **MODEL,
               "inner_lr": INNER_LR, "grad_clip": GRAD_CLIP, "outer_lr": OUTER_LR, "outer_momentum": OUTER_MOMENTUM}
-    earlier = args.out / ("consensus_quick.json" if args.quick else "consensus.json")
+    stem = ("consensus_quick" if args.quick else "consensus") + ("" if h == H else f"_h{h}")
+    earlier = args.out / f"{stem}.json"
     if args.variants and "DiLoCo" not in args.variants and earlier.exists():
         old = json.loads(earlier.read_text())
         if old.get("config") == config and "DiLoCo" in old["training"]:  # the baseline of the same job: reuse it
@@ -328,7 +342,7 @@ def main(argv: list[str] | None = None) -> dict:
             names = tuple(n for n in names if n != "DiLoCo")
     for name in names:
         print(f"[consensus] {name}: {rounds} rounds ...", flush=True)
-        training[name] = train_variant(name, VARIANTS[name], rounds, data, args.eval_every)
+        training[name] = train_variant(name, VARIANTS[name], rounds, data, args.eval_every, h)
         s = training[name]["summary"]
         print(f"  loss(avg model) {s['final_loss_average_model']:.4f}  workers {s['final_loss_workers_mean']:.4f}  "
               f"param rel {s['param_relative_second_half_start']:.2e} -> {s['param_relative_second_half_end']:.2e}  "
@@ -339,7 +353,6 @@ def main(argv: list[str] | None = None) -> dict:
         res["summary"]["loss_vs_diloco"] = res["summary"]["final_loss_average_model"] / base - 1
     results = {"config": config, "matrices": matrices, "training": training}
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = "consensus_quick" if args.quick else "consensus"
     previous = args.out / f"{stem}.json"
     if args.variants and previous.exists():  # add these variants to an earlier run's results (same config)
         old = json.loads(previous.read_text())

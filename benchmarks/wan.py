@@ -175,6 +175,9 @@ def plot(runs: list[dict[str, Any]], bandwidths: list[float], table: dict[str, A
     colors = {"ddp": "C3", "diloco": "C0", "localsgd": "C5", "fg-dense-r2=0": "C4", "fg-dense-r2=1": "C1",
               "fg-lowrank-r2=0": "C9", "fg-lowrank-r2=1": "C2", "torchft-diloco": "C7", "torchft-streaming": "C8",
               "fg-stream-f2": "C6", "fg-stream-f2-t2-a0.5": "C1"}
+    spare = iter(matplotlib.colormaps["tab20"].colors[1::2] * 2)  # the tuning grid's other points
+    for r in runs:
+        colors.setdefault(r["method"], next(spare))
     fig, axes = plt.subplots(2, len(bandwidths), figsize=(5.2 * len(bandwidths), 8), squeeze=False)
     for j, bw in enumerate(bandwidths):
         for r in runs:

@@ -256,22 +256,53 @@ def test_refused_workers_and_a_store_gone_for_good_end_with_one_line_each_and_re
     assert "resumed from" in _log(tmp_path, 0)
 
 
-@pytest.mark.slow
-def test_an_elastic_pipeline_replica_that_loses_a_stage_restarts_whole_and_every_replica_finishes(env, tmp_path):
-    """fgdiloco launch --stages 2: each replica is one torchrun job of its 2 stages; stage 1 of replica 1 dies at
+def _stage_pids(lives: Path) -> list[int]:
+    """The pids of the newest life's stage processes of a pipeline replica (from its lives file)."""
+    starts = [json.loads(x) for x in lives.read_text().splitlines() if '"start"' in x] if lives.exists() else []
+    newest = max((r["restart"] for r in starts), default=-1)
+    return [r["pid"] for r in starts if r["restart"] == newest]
+
+
+def _stage_rounds(out: Path, k: int, stage: int) -> list[tuple[int, float]]:
+    """(round, unix time) of each ``--log-rounds`` line of replica ``k``'s stage ``stage``."""
+    return [(int(r), float(t)) for r, t in
+            re.findall(rf"worker {k} stage {stage} round +(\d+) .*? at (\d+\.\d+)", _log(out, k))]
+
+
+def test_an_elastic_pipeline_replica_that_loses_a_stage_restarts_whole_and_a_hung_stage_catches_up(env, tmp_path):
+    """fgdiloco launch --stages 2: each replica is one torchrun job of its 2 stages. Stage 1 of replica 1 dies at
     round 5: torchrun restarts both of its stages (a fresh process group: init_replica_group), they resume from their
-    checkpoints, and both replicas finish every round."""
+    checkpoints. Later stage 0 of replica 0 is SIGSTOPped for 8 s (hung, longer than the 5 s liveness) and
+    continued: replica 1 trains on meanwhile (it waits the liveness once, not a timeout), replica 0 catches up with
+    the live round without a restart, and both replicas finish every round."""
     script = str(ROOT / "examples" / "elastic_pipeline.py")
+    rounds = 60
     cmd = [sys.executable, "-m", "fgdiloco", "launch", "--workers", "2", "--stages", "2", "--max-restarts", "2",
-           "--log-dir", str(tmp_path / "logs"), script, "--rounds", "30", "--checkpoint-dir", str(tmp_path / "ckpt"),
-           "--crash-worker", "1", "--crash-stage", "1", "--crash-round", "5", "--results", str(tmp_path / "res")]
-    said = _finish(subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    text=True))
+           "--log-dir", str(tmp_path / "logs"), script, "--rounds", str(rounds), "--checkpoint-dir",
+           str(tmp_path / "ckpt"), "--crash-worker", "1", "--crash-stage", "1", "--crash-round", "5", "--results",
+           str(tmp_path / "res"), "--log-rounds"]
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lives = tmp_path / "logs" / "worker1.lives"
+        _wait_for(lambda: lives.exists() and '"restart": 1' in lives.read_text(), "replica 1's restart")
+        _wait_for(lambda: [r for r, _ in _stage_rounds(tmp_path, 1, 0) if r >= 12], "replica 1 back at round 12")
+        pid = _stage_pids(tmp_path / "logs" / "worker0.lives")[0]
+        stopped = time.time()
+        os.kill(pid, signal.SIGSTOP)
+        while time.time() - stopped < 8:
+            time.sleep(0.2)
+        os.kill(pid, signal.SIGCONT)
+        resumed = time.time()
+    finally:
+        said = _finish(proc)
     assert "2 of 2 workers finished, 1 restart(s) (worker 1: 1)" in said, said
     res = {(w, s): json.loads((tmp_path / "res" / f"worker{w}.stage{s}.json").read_text())
            for w in range(2) for s in range(2)}
     assert {k: (r["life"], r["round"]) for k, r in res.items()} == {
-        (0, 0): (0, 30), (0, 1): (0, 30), (1, 0): (1, 30), (1, 1): (1, 30)}
+        (0, 0): (0, rounds), (0, 1): (0, rounds), (1, 0): (1, rounds), (1, 1): (1, rounds)}
+    assert res[(0, 0)]["rejoins"] >= 1 and res[(0, 0)]["rejoins"] == res[(0, 1)]["rejoins"]  # together
+    during = [r for r, t in _stage_rounds(tmp_path, 1, 0) if stopped + 5.5 < t < resumed]
+    assert len(during) >= 2, (during, _stage_rounds(tmp_path, 1, 0))  # replica 1 trained on while 0 hung
     for w in range(2):  # the last stage has the loss: both replicas learned
         losses = res[(w, 1)]["losses"]
         assert losses[-1] < 0.7 * res[(0, 1)]["losses"][0], losses

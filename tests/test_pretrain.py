@@ -260,6 +260,19 @@ def test_train_worker_lowrank_partial_last_round_and_sparse_evals(tmp_path):
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
 
 
+def test_train_worker_with_fragments_counts_a_round_every_h_over_f_steps(tmp_path):
+    """With fragments every fragment's sync is an outer round: the rows' steps and tokens are round x H / F (the
+    WAN benchmark's first grid run labelled them round x H, doubling the tokens of its fragment runs)."""
+    cfg = tiny_config(tmp_path, fragments=2, steps=20, sync_every=10)
+    assert (cfg.round_steps, cfg.rounds) == (5, 4)
+    run_ranks(_run_worker, 2, tmp_path, cfg, timeout=90)
+    rows = read_rows(Path(cfg.out) / "metrics.jsonl")
+    assert [(r["step"], r["round"]) for r in rows] == [(0, 0), (5, 1), (10, 2), (15, 3), (20, 4)]
+    assert rows[-1]["tokens"] == 20 * 8 * 32 * 2
+    summary = json.loads((Path(cfg.out) / "summary.json").read_text())
+    assert summary["rounds"] == summary["rounds_planned"] == 4 and summary["steps"] == 20
+
+
 def test_train_worker_single_process_without_torch_distributed(tmp_path, monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)

@@ -325,9 +325,19 @@ class TrainConfig:
         return self.baseline is None and self.topology != "allreduce"
 
     @property
+    def round_steps(self) -> int:
+        """Inner steps per outer round of the run's rows and checkpoints: ``sync_every``, or ``sync_every /
+        fragments`` with fragments (every fragment's sync is one outer round of the wrapper,
+        ``FGDiLoCo.steps_per_round``)."""
+        if self.baseline is not None:
+            return self.sync_every
+        f = self.fragments if isinstance(self.fragments, int) else len(self.fragments)
+        return self.sync_every // f
+
+    @property
     def rounds(self) -> int:
-        """Outer rounds per run (the last one may be shorter than ``sync_every``)."""
-        return -(-self.steps // self.sync_every)
+        """Outer rounds per run (the last one may be shorter than :attr:`round_steps`)."""
+        return -(-self.steps // self.round_steps)
 
 
 _SETTINGS = tuple(FGDiLoCoConfig.names())

@@ -140,7 +140,7 @@ def _train(cfg: TrainConfig, slot: int, life: int, mesh: Any, t_setup: float) ->
     if mesh is not None:
         reporter = StagesAgree(reporter, mesh, sync)
     loop = Loop(sync, reporter, on_device(batches, placement.device), eval_set, steps=cfg.steps,
-                sync_every=cfg.sync_every,
+                sync_every=cfg.round_steps,
                 eval_every=cfg.eval_every, clock=clock)
     try:
         outcome = loop.run()

@@ -612,7 +612,7 @@ class _ElasticRun:
         from .merge import Merger
 
         self.cfg, self.out, self.on_row, self.quiet_until = cfg, Path(cfg.out), on_row, quiet_until
-        self.merger = Merger(self.out / "workers", cfg.replicas, eval_points(cfg), sync_every=cfg.sync_every,
+        self.merger = Merger(self.out / "workers", cfg.replicas, eval_points(cfg), sync_every=cfg.round_steps,
                              steps=cfg.steps)
         self.metrics = open(self.out / "metrics.jsonl", "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self.wrote_info = False

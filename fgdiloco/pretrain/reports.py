@@ -269,7 +269,7 @@ class WorkerEvents(Reporter):
         """The worker's ``end`` event (its clocks after the wrapper closed)."""
         r = self.sync.opt.round
         clock = outcome.clock
-        return self.emit("end", round=r, step=min(r * self.cfg.sync_every, self.cfg.steps),
+        return self.emit("end", round=r, step=min(r * self.cfg.round_steps, self.cfg.steps),
                          wall_seconds=clock.wall(), train_seconds=clock.train(),
                          eval_seconds=clock.excluded_seconds, peak_rss_bytes=peak_rss_bytes(),
                          rejoins=self.sync.rejoins_total, stopped=self.stopped)

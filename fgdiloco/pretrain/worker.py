@@ -89,7 +89,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
                     title=title(cfg, method=sync.method, label=sync.label, workers=world, params=n_params))
     reporter = GroupRows(cfg, sync, rank, info)
     loop = Loop(sync, reporter, on_device(batches, placement.device), eval_set, steps=cfg.steps,
-                sync_every=cfg.sync_every,
+                sync_every=cfg.round_steps,
                 eval_every=cfg.eval_every, deferred=cfg.eval_deferred)
     try:
         outcome = loop.run()
