@@ -129,21 +129,28 @@ class _Spreads(Reporter):
     """One worker's reports into the variant's shared accumulators: every round the disagreement of its round-start
     parameters and outer momentum and its bytes sent; at every evaluation point its held-out loss."""
 
-    def __init__(self, shared: dict, sync: FGDiLoCoSync, eval_every: int, rounds: int):
+    def __init__(self, shared: dict, sync: FGDiLoCoSync, eval_every: int, rounds: int, fragments: int = 1):
         self.shared, self.opt, self.eval_every, self.rounds = shared, sync.opt, eval_every, rounds
+        self.f = fragments  # with F fragments, every F-th fragment round ends an outer round of H steps
+        self._bytes = 0  # bytes sent in the fragment rounds of the outer round so far
 
     def round_done(self, end: RoundEnd) -> None:
-        t = end.done - 1
-        evaluated = end.done % self.eval_every == 0 or end.done == self.rounds
+        self._bytes += end.stats["bytes_sent"]
+        if end.done % self.f:
+            return
+        done = end.done // self.f
+        t = done - 1
+        evaluated = done % self.eval_every == 0 or done == self.rounds
         self.shared["params"].add(t, self.opt.outer.theta0, keep_mean=evaluated)
         self.shared["momentum"].add(t, self.opt.outer.momentum)
         with self.shared["lock"]:
-            self.shared["bytes"].setdefault(t, []).append(end.stats["bytes_sent"])
+            self.shared["bytes"].setdefault(t, []).append(self._bytes)
+        self._bytes = 0
 
     def record(self, point: Point) -> bool:
-        if point.round > 0:
+        if point.round > 0 and point.round % self.f == 0:
             with self.shared["lock"]:
-                self.shared["losses"].setdefault(point.round - 1, []).append(point.eval_loss)
+                self.shared["losses"].setdefault(point.round // self.f - 1, []).append(point.eval_loss)
         return False
 
 
@@ -161,16 +168,18 @@ def _worker(rank: int, knobs: dict, hub: LocalHub, init: dict, cfg: GPTConfig, d
                         transport=hub.transport(rank))
     real_run = sync.opt._mixer2.run
 
-    def recorded(values, outer_round):
-        shared["delta_in"].add(outer_round, values)
+    def recorded(values, outer_round):  # fragment 0's Mix2 (its rounds are 0, F, 2F, ...)
+        key = outer_round // len(sync.opt.fragments)
+        shared["delta_in"].add(key, values)
         res = real_run(values, outer_round)
-        shared["delta_out"].add(outer_round, res.values)
+        shared["delta_out"].add(key, res.values)
         return res
 
     sync.opt._mixer2.run = recorded
     g = torch.Generator().manual_seed(1000 + rank)
-    Loop(sync, _Spreads(shared, sync, eval_every, rounds), lambda step: sample_batch(train, BATCH, BLOCK, g),
-         _eval_set(val), steps=rounds * h, sync_every=h, eval_every=eval_every).run()
+    f = len(sync.opt.fragments)  # with fragments the loop's rounds are fragment rounds, F per H steps
+    Loop(sync, _Spreads(shared, sync, eval_every, rounds, f), lambda step: sample_batch(train, BATCH, BLOCK, g),
+         _eval_set(val), steps=rounds * h, sync_every=h // f, eval_every=eval_every * f).run()
 
 
 def train_variant(name: str, knobs: dict, rounds: int, data: tuple, eval_every: int, h: int = H) -> dict:

@@ -269,12 +269,15 @@ def _stage_rounds(out: Path, k: int, stage: int) -> list[tuple[int, float]]:
             re.findall(rf"worker {k} stage {stage} round +(\d+) .*? at (\d+\.\d+)", _log(out, k))]
 
 
-def test_an_elastic_pipeline_replica_that_loses_a_stage_restarts_whole_and_a_hung_stage_catches_up(env, tmp_path):
+def test_an_elastic_pipeline_replica_that_loses_a_stage_restarts_whole_and_a_hung_stage_costs_no_timeout(env,
+                                                                                                      tmp_path):
     """fgdiloco launch --stages 2: each replica is one torchrun job of its 2 stages. Stage 1 of replica 1 dies at
     round 5: torchrun restarts both of its stages (a fresh process group: init_replica_group), they resume from their
     checkpoints. Later stage 0 of replica 0 is SIGSTOPped for 8 s (hung, longer than the 5 s liveness) and
-    continued: replica 1 trains on meanwhile (it waits the liveness once, not a timeout), replica 0 catches up with
-    the live round without a restart, and both replicas finish every round."""
+    continued: nobody is restarted or waits out a deadline, replica 1 goes on within a few seconds of the hang's
+    end (its stage 0 skips the hung stage after the liveness; its stage 1's partner, replica 0's stage 1, still
+    beats while it waits for its hung stage 0, so that exchange waits for the hang to end, at most
+    ``join_timeout``: docs/faults.md), and both replicas finish every round."""
     script = str(ROOT / "examples" / "elastic_pipeline.py")
     rounds = 60
     cmd = [sys.executable, "-m", "fgdiloco", "launch", "--workers", "2", "--stages", "2", "--max-restarts", "2",
@@ -300,9 +303,13 @@ def test_an_elastic_pipeline_replica_that_loses_a_stage_restarts_whole_and_a_hun
            for w in range(2) for s in range(2)}
     assert {k: (r["life"], r["round"]) for k, r in res.items()} == {
         (0, 0): (0, rounds), (0, 1): (0, rounds), (1, 0): (1, rounds), (1, 1): (1, rounds)}
-    assert res[(0, 0)]["rejoins"] >= 1 and res[(0, 0)]["rejoins"] == res[(0, 1)]["rejoins"]  # together
-    during = [r for r, t in _stage_rounds(tmp_path, 1, 0) if stopped + 5.5 < t < resumed]
-    assert len(during) >= 2, (during, _stage_rounds(tmp_path, 1, 0))  # replica 1 trained on while 0 hung
+    assert res[(0, 0)]["rejoins"] == res[(0, 1)]["rejoins"]  # the hung replica's stages stay together
+    after = [t for _, t in _stage_rounds(tmp_path, 1, 0) if t > resumed]
+    assert after and after[0] < resumed + 4.0, (resumed, after[:3])  # replica 1 went on at the hang's end
+    logs = _log(tmp_path, 0) + _log(tmp_path, 1)
+    # no exchange or stage transfer waited out its deadline (fgdiloco's own messages; c10d's socket warnings from
+    # a given-up exchange's set-up thread in the background are not training time)
+    assert not re.findall(r"fgdiloco.*(?:within|after) 60(?:\.0)? s", logs), logs
     for w in range(2):  # the last stage has the loss: both replicas learned
         losses = res[(w, 1)]["losses"]
         assert losses[-1] < 0.7 * res[(0, 1)]["losses"][0], losses
