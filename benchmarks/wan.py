@@ -8,6 +8,7 @@ Run from the repository root, as root (network namespaces)::
     python -m benchmarks.wan --peers     # every method + torchft's DiLoCo / Streaming DiLoCo at 10 and 100 Mbit/s,
                                          # then the dead-worker runs (~40 min); writes results/wan_peers.json + PNGs
     python -m benchmarks.wan --peers --quick   # ~5-minute check of that path: 100 Mbit/s, 60 steps, 4 methods
+    python -m benchmarks.wan --peers --grid --bandwidths 100,10   # the tuning grid of both sides (~12 min)
 
 Four workers, each in its own network namespace (``benchmarks/netns.py``: veth pairs to a bridge, both ends shaped
 with ``tc ... tbf`` at 10, 100 and 1000 Mbit/s; addresses in 10.213.0.0/24 that exist only inside those
@@ -52,10 +53,12 @@ from typing import Any
 from fgdiloco.pretrain.comparison import (
     DIED_EXIT_CODE,
     FAMILY,
+    FG_GRID,
     JOB,
     LABEL,
     METHODS,
     PEERS,
+    STREAMING_GRID,
     compare,
     dead_worker_cost,
     peer_targets,
@@ -387,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="add torchft's DiLoCo and Streaming DiLoCo (pip install -e '.[bench]') and the dead-worker "
                          "runs; default bandwidths 10,100; writes wan_peers.json")
     ap.add_argument("--no-faults", action="store_true", help="with --peers: skip the dead-worker runs")
+    ap.add_argument("--grid", action="store_true",
+                    help="with --peers: the tuning grid only (torchft DiLoCo and both sides' F/tau/alpha grids)")
     ap.add_argument("--bandwidths", default=None, help="Mbit/s, comma separated (default 10,100,1000)")
     ap.add_argument("--methods", default=None, help=f"comma separated subset of {','.join(METHODS)}")
     ap.add_argument("--steps", type=int, default=None, help="inner steps per worker (token budget)")
@@ -415,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     bandwidths = [float(x) for x in (args.bandwidths or default_bw).split(",")]
     if args.methods:
         methods = args.methods.split(",")
+    elif args.peers and args.grid:
+        methods = ["torchft-diloco", *STREAMING_GRID, *FG_GRID]
     elif args.peers:
         methods = (["diloco", "torchft-diloco", "torchft-streaming", "fg-lowrank-r2=1"] if args.quick
                    else list(METHODS))
@@ -441,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "benchmark": "wan",
         "command": "python -m benchmarks.wan" + (" --peers" if args.peers else "") + (" --quick" if args.quick else "")
+                   + (" --grid" if args.grid else "")
                    + (f" --bandwidths {args.bandwidths}" if args.bandwidths else "")
                    + (f" --methods {args.methods}" if args.methods else ""),
         "job": job, "workers": job["workers"], "methods": {m: METHODS[m] for m in methods}, "code": code,

@@ -343,8 +343,9 @@ def _launch_dying(out: Path, *args: str, devices: int, timeout: float = 120.0):
     return _run_until_all_exit(cmd, out, timeout)
 
 
-# 3 processes x 400 steps: far longer than the bounds below, so the job cannot simply have finished
-LONG_RUN = ("--sync-every", "5", "--samples", "9600", "--timeout", "30")
+# 3 processes x 2000 steps: far longer than the bounds below, so the job cannot simply have finished (with 400
+# steps the survivors, which skip the departed rank, finished the epoch before Lightning's 5 s observer looked)
+LONG_RUN = ("--sync-every", "5", "--samples", "48000", "--timeout", "30")
 
 
 @pytest.mark.slow

@@ -81,11 +81,11 @@ def test_a_worker_killed_from_outside_is_restarted_and_rejoins_while_the_others_
     assert summary["rounds"] == summary["rounds_planned"] == steps // h and summary["steps"] == steps
     assert summary["interrupted"] is False and summary["stopped_early"] is False
     # worker 3's new life joins the job (the first round its peers start after its restart); on a loaded machine
-    # its first rounds can leave it 3 rounds behind again, and it catches up once more: only worker 3 rejoins, and
-    # always forward
-    assert {(e["worker"], e["life"]) for e in summary["rejoin_events"]} == {(3, 1)}
+    # its rounds can leave it 3 rounds behind (before the kill too), and it catches up: only worker 3 rejoins,
+    # always forward, and its second life does
+    assert {e["worker"] for e in summary["rejoin_events"]} == {3}
     assert all(e["round"] > e["from_round"] for e in summary["rejoin_events"])
-    event = summary["rejoin_events"][0]
+    event = next(e for e in summary["rejoin_events"] if e["life"] == 1)
     # it continued from its newest checkpoint (every 2 rounds; it had reported round 10 or a little later)
     last_report = max(e["round"] for e in _events(out, 3, "row") if e["life"] == 0)
     assert event["life"] == 1 and event["from_round"] % 2 == 0 and 8 <= event["from_round"] <= last_report
