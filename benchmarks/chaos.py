@@ -223,6 +223,12 @@ def run_job(folder: Path, args: argparse.Namespace, env: dict[str, str], faults:
                               f"victim {rec.get('victim')}", flush=True)
                     next_check = now + 0.5
             time.sleep(0.1)
+        for t in sorted((t for t in tenures if t.state == "stopped"), key=lambda t: t.until):
+            # a stop still running when the main job ended (a joiner's): continue it when due, as during the job
+            time.sleep(max(0.0, t.until - time.time()))
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(t.killed_pid, signal.SIGCONT)
+            t.state = "up"
         t_end = time.time() + args.joiner_grace
         for t in tenures:  # joiners still running: let them finish (a joiner that never reached the store does not)
             if t.proc is not None:
