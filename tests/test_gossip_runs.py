@@ -64,6 +64,28 @@ def _two_local_mixers(drop) -> list:
     return out
 
 
+def test_an_exchange_whose_peer_is_gone_is_not_waited_for_at_exit():
+    """The peer never comes and the membership finds it dead: the exchange fails at once (a failure, not a skip),
+    and its thread, still waiting inside the transport until its own deadline, is not one the exit drain waits for
+    (a finished worker waited up to 120 s at exit for such an exchange with a partner that had died)."""
+    from fgdiloco.gossip.membership import Membership
+    from fgdiloco.runtime import running_background
+
+    class PeerDies(Membership):
+        def gone(self, peer: int, since: float) -> str | None:
+            return "no heartbeat for 5.0 s" if time.monotonic() - since > 0.2 else None
+
+    t = LocalHub(2).transport(0)
+    t.membership = PeerDies(0, 2)
+    mixer = Mixer("mix2", make_topology("random", 2, 0), t, Dense(), 1, b"\0" * 8, join_timeout=30.0,
+                  exchange_timeout=30.0, offset=1)
+    t0 = time.monotonic()
+    res = mixer.run([torch.ones(5)], 0)
+    assert time.monotonic() - t0 < 5.0 and res.failed == 1 and "the peer is gone" in res.errors[0], res.errors
+    assert torch.equal(res.values[0], torch.ones(5))  # it kept its own value
+    assert not [w for w in running_background() if "mix2/" in w], running_background()
+
+
 def test_when_only_the_peers_payload_arrives_both_keep_their_own_values():
     # rank 0's frame (message 0 of the conversation) is lost on the way to rank 1; rank 1's reaches rank 0
     res = _two_local_mixers(lambda key, src, dst, pos: src == 0 and pos == 0)

@@ -61,7 +61,7 @@ from ..factor.codec import Codec, CodecError, PairOutcome
 from ..factor.frame import FrameError, decode_frame, encode_frame
 from ..runtime import Background, ExchangeError, supervise
 from .topology import GROUP, IDLE, PAIR, Topology
-from .transport import PeerDeclined, Transport, gone_error
+from .transport import PeerDeclined, PeerGone, Transport, gone_error
 
 __all__ = ["MixResult", "Mixer", "PeerHealth", "pair_round_in_process"]
 
@@ -353,6 +353,8 @@ class Mixer:
                                              met=met, watch=lambda t0: self._watch(peer, key, t0, outer_round, what),
                                              what=what)
         except ExchangeError as e:
+            if isinstance(e, (PeerGone, PeerDeclined)) and not job.done():
+                job.forsake()  # its peer will not finish it: the exit drain does not wait for its Gloo deadline
             self._not_applied(res, peer, key, outer_round, e)
             return 0.0
         finally:

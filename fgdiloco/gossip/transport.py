@@ -66,6 +66,11 @@ class PeerLeft(PeerDeclined):
     """The peer posted a departure notice (``FGDiLoCo.close``): it will not exchange again."""
 
 
+class PeerGone(ExchangeError):
+    """The membership found the peer dead or hung (no heartbeat for ``liveness``) while this side waited: a
+    failure (back-off), and nothing an exchange thread still inside Gloo with it can finish."""
+
+
 #: What a membership's :meth:`~fgdiloco.gossip.membership.Membership.gone` (or :meth:`Transport.abandoned`) may
 #: answer, and what it means for the exchange: departure notice, skip (no back-off: the peer is fine or will be
 #: replaced), or a failure (back-off).
@@ -79,7 +84,7 @@ _GONE_MESSAGES = {
 
 def gone_error(gone: str, what: str) -> ExchangeError:
     """The exception for the verdict ``gone`` about the exchange ``what`` (one place for the mapping)."""
-    kind, text = _GONE_MESSAGES.get(gone, (ExchangeError, f"failed: the peer is gone ({gone})"))
+    kind, text = _GONE_MESSAGES.get(gone, (PeerGone, f"failed: the peer is gone ({gone})"))
     return kind(f"{what}: {text}")
 
 
