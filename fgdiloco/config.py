@@ -34,8 +34,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import InitVar, dataclass, field
 from typing import Any
 
-__all__ = ["FGDiLoCoConfig", "Check", "Count", "Number", "Seconds", "Flag", "Choice", "Integer", "settings_table",
-           "add_arguments", "from_arguments"]
+__all__ = ["FGDiLoCoConfig", "fragment_count", "Check", "Count", "Number", "Seconds", "Flag", "Choice", "Integer",
+           "settings_table", "add_arguments", "from_arguments"]
 
 
 # ---------------------------------------------------------------------------------------------------- checks
@@ -246,6 +246,11 @@ TIMEOUT_FIELDS = ("join_timeout", "exchange_timeout", "collective_timeout", "sta
 HEARTBEAT_SECONDS = 0.25
 
 
+def fragment_count(fragments: Any) -> int:
+    """F for the ``fragments`` setting: the int itself, or the length of the list of fragments."""
+    return fragments if isinstance(fragments, int) else len(fragments)
+
+
 @dataclass(frozen=True)
 class FGDiLoCoConfig:
     """The settings of :class:`fgdiloco.FGDiLoCo` (Hewa Koneputugodage et al., "Factored Gossip DiLoCo", ICML 2026,
@@ -365,7 +370,7 @@ class FGDiLoCoConfig:
             raise ValueError(f"mix1_codec={mix1!r} keeps per-worker state (warm starts or error feedback), which is "
                              "not safe for parameters; use a stateless value codec: 'dense' (lossless), 'bf16' "
                              "(default) or 'int8'")
-        count = self.fragments if isinstance(self.fragments, int) else len(self.fragments)
+        count = fragment_count(self.fragments)
         if self.sync_every % count:
             raise ValueError(f"fragments={count} must divide sync_every={self.sync_every} (one fragment's outer "
                              "round ends every sync_every / fragments inner steps)")

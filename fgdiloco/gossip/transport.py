@@ -50,7 +50,7 @@ from .membership import Membership, StoreMembership
 
 log = logging.getLogger("fgdiloco")
 
-__all__ = ["Channel", "ExchangeError", "PeerDeclined", "PeerLeft", "Transport", "DistributedTransport",
+__all__ = ["Channel", "ExchangeError", "PeerDeclined", "PeerGone", "PeerLeft", "Transport", "DistributedTransport",
            "LocalHub", "LocalTransport", "gone_error"]
 
 MAX_PAYLOAD_BYTES = 1 << 34  # a peer announcing more than 16 GiB is rejected before allocating

@@ -52,7 +52,6 @@ METHODS: dict[str, dict[str, Any]] = {
     "fg-dense-r2=1": {"topology": "random", "codec": "dense", "mix2_rounds": 1},
     "fg-lowrank-r2=0": {"topology": "random", "codec": "lowrank", "codec_rank": 4, "mix2_rounds": 0},
     "fg-lowrank-r2=1": {"topology": "random", "codec": "lowrank", "codec_rank": 4, "mix2_rounds": 1},
-    # FG-DiLoCo with Streaming DiLoCo's fragments (F = 2), and with its overlap and merge too (tau = 2, alpha = 0.5)
     # FG-DiLoCo with Streaming DiLoCo's fragments (F = 2), its overlap (tau = 2 inner steps) and its merge
     # (alpha = 0.5): the tuning grid of benchmarks.wan --peers (F = 4 does not divide H = 10)
     "fg-stream-f2": {"topology": "random", "codec": "lowrank", "codec_rank": 4, "mix2_rounds": 1, "fragments": 2},

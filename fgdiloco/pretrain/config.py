@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ..config import TIMEOUT_FIELDS, Check, Choice, Count, FGDiLoCoConfig, Flag, Number, Seconds
+from ..config import TIMEOUT_FIELDS, Check, Choice, Count, FGDiLoCoConfig, Flag, Number, Seconds, fragment_count
 from ..config import add_arguments as add_fgdiloco_arguments
 from ..factor import LowRank
 from .device import DEVICES
@@ -329,10 +329,7 @@ class TrainConfig:
         """Inner steps per outer round of the run's rows and checkpoints: ``sync_every``, or ``sync_every /
         fragments`` with fragments (every fragment's sync is one outer round of the wrapper,
         ``FGDiLoCo.steps_per_round``)."""
-        if self.baseline is not None:
-            return self.sync_every
-        f = self.fragments if isinstance(self.fragments, int) else len(self.fragments)
-        return self.sync_every // f
+        return self.sync_every if self.baseline is not None else self.sync_every // fragment_count(self.fragments)
 
     @property
     def rounds(self) -> int:
