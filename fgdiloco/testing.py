@@ -34,7 +34,15 @@ def _init(rank: int, world: int, store_path: str, store: str) -> None:
         return
     if store == "file":
         dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
-        return
+    else:
+        _init_on_tcp_store(rank, world, store_path)
+    # Gloo's mesh is up on every rank before any rank's function runs: a rank whose function returns at once (and
+    # exits) while another is still in init_process_group's connectFullMesh failed that one's set-up ("connection
+    # closed by peer"; tests/test_launch.py's non-member rank, 1 run in 6)
+    dist.barrier()
+
+
+def _init_on_tcp_store(rank: int, world: int, store_path: str) -> None:
     # TCPStore hosted by rank 0 (port 0: the OS picks a free one, published through a file). Used by fault tests:
     # a SIGSTOPped rank could freeze while holding a FileStore's file lock; a TCPStore client holds no lock.
     port_file = store_path + ".port"
