@@ -329,17 +329,19 @@ class ElasticMembership(StoreMembership):
                 key = self._state_key(self.rank, f"{self.incarnation}.{self._request}")
                 if store.check([key]):
                     return store.get(key)
-                if time.monotonic() - t0 > timeout or not self._anyone_there(t0):
+                if time.monotonic() - t0 > timeout or not self._anyone_there(store, t0):
                     return None
                 if store.check([key + "/claim"]):
                     donor = int(store.get(key + "/claim"))
-                    if self.gone(donor, t0) is not None:
+                    if self._gone(store, donor, t0) is not None:
                         self.request_state()
                 time.sleep(HEARTBEAT_SECONDS / 2)
 
-    def _anyone_there(self, since: float) -> bool:
-        """Whether some other slot holds a live worker (joined, not departed, heartbeat moving)."""
-        return any(self.gone(r, since) is None for r in range(self.world_size) if r != self.rank)
+    def _anyone_there(self, store: dist.Store, since: float) -> bool:
+        """Whether some other slot holds a live worker (joined, not departed, heartbeat moving). Asks on the
+        connection the caller holds: a second lease would open a new one when the pool is empty, and each new
+        store connection costs a reverse DNS lookup (up to 5 s where the resolver drops a query)."""
+        return any(self._gone(store, r, since) is None for r in range(self.world_size) if r != self.rank)
 
     # ------------------------------------------------------------------ joining a running job
     def before_round(self, outer: Any, agree: Any = None) -> None:
