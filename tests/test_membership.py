@@ -5,6 +5,10 @@ under ``fgdiloco launch``."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -97,8 +101,9 @@ def test_connect_waits_a_bounded_time_for_the_first_workers_and_names_the_missin
     assert a.membership.incarnation == 2  # the first attempt above registered slot 0 once already
     with pytest.raises(ValueError, match="has 2 slots"):
         connect(store.address, 0, 3, wait=1)
-    with pytest.raises(TimeoutError, match="cannot reach the gossip store"):
+    with pytest.raises(TimeoutError, match="cannot reach the gossip store") as unreached:
         connect("127.0.0.1:1", 0, 1, timeout=1.0)
+    assert isinstance(unreached.value, StoreUnreachable)  # a life of fgdiloco launch stops for good on it
     a.close()
     got[1].close()
 
@@ -414,3 +419,18 @@ def test_the_exit_drain_waits_for_exchanges_started_while_it_waits_and_reports_w
     left = drain_background(10)
     assert "first exchange" not in left and "second exchange" not in left, left
     assert second_go.is_set()  # it returned after the second one ended, not when the first did
+
+
+def test_a_life_whose_store_is_never_reached_stops_for_good_with_one_line(tmp_path):
+    # torchrun would restart a life that raised, and each restart would wait its whole timeout again: a store that
+    # cannot be reached at start ends the life (exit 0, one line, a "store" stop for fgdiloco launch to report)
+    script = tmp_path / "worker.py"
+    script.write_text("from fgdiloco.elastic import connect\nconnect('127.0.0.1:1', 0, 1, timeout=0.5)\n")
+    lives = tmp_path / "lives.jsonl"
+    env = dict(os.environ, FGDILOCO_LIVES_FILE=str(lives), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "fgdiloco.elastic.life", str(script)], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("[fgdiloco] worker stopped: cannot reach the gossip store") == 1
+    events = [json.loads(line) for line in lives.read_text().splitlines()]
+    assert [e["event"] for e in events] == ["start", "stop"] and events[1]["kind"] == "store"

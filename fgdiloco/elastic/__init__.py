@@ -43,11 +43,12 @@ from .launch import (
     settings,
     torchrun_command,
 )
-from .membership import ElasticMembership, SlotTaken, StoreUnreachable
+from .membership import ElasticMembership, SlotTaken, StoreNotReached, StoreUnreachable
 from .rejoin import CATCH_UP_ROUNDS
 from .replica import init_replica_group
 from .store import GossipStore, SupervisedStore
 
 __all__ = ["AdmissionError", "CATCH_UP_ROUNDS", "JOB_ENV", "LIVES_ENV", "MIN_WORKERS_ENV", "RESUME_ENV", "STORE_ENV",
-           "WORKER_ENV", "WORKERS_ENV", "ElasticMembership", "GossipStore", "SlotTaken", "StoreUnreachable",
-           "SupervisedStore", "connect", "init_replica_group", "launch", "settings", "torchrun_command"]
+           "WORKER_ENV", "WORKERS_ENV", "ElasticMembership", "GossipStore", "SlotTaken", "StoreNotReached",
+           "StoreUnreachable", "SupervisedStore", "connect", "init_replica_group", "launch", "settings",
+           "torchrun_command"]

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..config import FGDiLoCoConfig
 from ..gossip.transport import DistributedTransport
-from .membership import ElasticMembership
+from .membership import ElasticMembership, StoreNotReached
 from .store import SupervisedStore
 
 __all__ = ["STORE_ENV", "WORKER_ENV", "WORKERS_ENV", "JOB_ENV", "MIN_WORKERS_ENV", "connect", "launch", "settings",
@@ -115,7 +115,10 @@ def connect(address: str | None = None, worker: int | None = None, workers: int 
         ValueError / TypeError: a setting missing or out of range (see :func:`settings`).
         AdmissionError: a slot count, model layout or job secret other than the job's (the first worker's).
         SlotTaken: another live process holds this worker's slot.
-        TimeoutError: the store cannot be reached within ``timeout`` seconds.
+        StoreNotReached: the store cannot be reached within ``timeout`` seconds (a ``TimeoutError`` and a
+            :class:`~fgdiloco.elastic.StoreUnreachable`: under ``fgdiloco launch`` the worker stops for good with
+            one line naming the store, and the launcher exits non-zero saying so, instead of torchrun restarting it
+            to wait again).
     """
     s = settings(address, worker, workers, job=job, min_workers=min_workers)
     host, port = str(s["host"]), int(s["port"])
@@ -123,7 +126,7 @@ def connect(address: str | None = None, worker: int | None = None, workers: int 
         store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout),
                               use_libuv=True)
     except Exception as e:  # noqa: BLE001 - c10d raises RuntimeError/DistStoreError for every failure to connect
-        raise TimeoutError(f"cannot reach the gossip store at {host}:{port} (${STORE_ENV}) within "
+        raise StoreNotReached(f"cannot reach the gossip store at {host}:{port} (${STORE_ENV}) within "
                            f"{timeout:g} s: {type(e).__name__}: {e}") from e
     keys = _admit(store, str(s["job"]), int(s["workers"]), fingerprint, secret)
     membership = ElasticMembership(store, int(s["worker"]), int(s["workers"]), f"fgdiloco/{s['job']}",

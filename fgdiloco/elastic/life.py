@@ -5,8 +5,9 @@ Before anything else (so a life that dies while importing torch counts too) it a
 ``$FGDILOCO_LIVES_FILE``: every life torchrun started is counted, and ``fgdiloco launch`` reports the restarts.
 Then it runs the worker's script as ``__main__``. A worker that must stop for good says so instead of failing, so
 that torchrun does not restart it for nothing: :class:`~fgdiloco.elastic.StoreUnreachable` (the gossip store has
-been out of reach for ``store_timeout``), :class:`~fgdiloco.elastic.SlotTaken` and
-:class:`~fgdiloco.elastic.AdmissionError` (another slot count, model or job secret than the job's) end the life
+been out of reach for ``store_timeout``, or could not be reached at all at start),
+:class:`~fgdiloco.elastic.SlotTaken` and :class:`~fgdiloco.elastic.AdmissionError` (another slot count, model or
+job secret than the job's) end the life
 with exit status 0 after one line on stderr and one ``stop`` line in the lives file, which ``fgdiloco launch`` turns
 into its own non-zero exit and message.
 """
@@ -51,7 +52,8 @@ def main() -> int:
 
         if not isinstance(err, (StoreUnreachable, SlotTaken, AdmissionError)):
             raise
-        kind = {StoreUnreachable: "store", SlotTaken: "slot", AdmissionError: "refused"}[type(err)]
+        kind = next(name for cls, name in ((StoreUnreachable, "store"), (SlotTaken, "slot"),
+                                           (AdmissionError, "refused")) if isinstance(err, cls))
         print(f"[fgdiloco] worker stopped: {err}", file=sys.stderr, flush=True)
         _note({"event": "stop", "kind": kind, "reason": str(err), "time": time.time()})
     return 0

@@ -57,6 +57,12 @@ class StoreUnreachable(RuntimeError):
     """The gossip store has been out of reach for longer than ``store_timeout``: the worker should checkpoint and
     stop (``--resume`` continues once a store is back)."""
 
+
+class StoreNotReached(StoreUnreachable, TimeoutError):
+    """:func:`~fgdiloco.elastic.connect` could not reach the gossip store at all within its ``timeout``: a
+    :class:`StoreUnreachable` (a life of ``fgdiloco launch`` stops for good instead of being restarted by torchrun
+    to wait again) and, as documented before, a ``TimeoutError``."""
+
 _KINDS = ("alive", "left", "incarnation", "round", "suspect")  # per-slot counters, made for every slot at once
 
 
