@@ -112,7 +112,8 @@ def train_run(k: int | None, seed: int, cfg: TrainConfig, data: dict, evals: int
     """One run of ``cfg.steps`` steps: the variant ``k`` (None: unconstrained) with ``seed``."""
     gcfg = GPTConfig(data["vocab_size"], cfg.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.dropout)
     torch.manual_seed(seed)
-    model = GPT(gcfg, subspace_rank=k, subspace_seed=seed, subspace_stages=None if k is None else STAGES)
+    model = GPT(gcfg, subspace_rank=k, subspace_seed=seed, subspace_stages=None if k is None else STAGES,
+                stage_embeddings=k is not None and cfg.stage_embeddings)
     stages = model.split(STAGES)
     del model
     codec = None if k is None else stages[0].subspace_codec(check=False)  # measured at the end, see below
@@ -247,7 +248,7 @@ def main_simulated(args: argparse.Namespace, argv: list[str] | None) -> dict:
     cfg = replace(base, steps=args.steps, batch_size=args.batch_size, block_size=WIDE["block_size"],
                   n_layer=WIDE["n_layer"], n_head=WIDE["n_head"], n_embd=args.width, lr=args.lr,
                   warmup_steps=min(args.warmup_steps, max(args.steps // 10, 1)), min_lr_ratio=0.1,
-                  vocab_size=WIDE["vocab"]).validate()
+                  vocab_size=WIDE["vocab"], stage_embeddings=not args.no_stage_embeddings).validate()
     data = load_data(WIDE["vocab"], cfg.block_size, args.held_out_windows)
     d = cfg.n_embd
     ranks: list[int | None] = [None] + [d // q for q in args.divisors]
@@ -295,7 +296,8 @@ def main_simulated(args: argparse.Namespace, argv: list[str] | None) -> dict:
                    "stages": STAGES, "boundary_after_block": cfg.n_layer // STAGES - 1,
                    "held_out_tokens": sum(y.numel() for _, y in data["held_out"]),
                    "train_tokens": int(data["train"].numel()), "link_mbit_s": args.link_mbit, "threads": 1,
-                   "head": "untied, dense (GPT.split's default) for every variant"},
+                   "head": "untied, dense (GPT.split's default) for every variant",
+                   "stage_embeddings": cfg.stage_embeddings},
         "unigram_loss": data["unigram"],
         "seconds_total": time.perf_counter() - t0, "jobs": args.jobs,
         "cpu_seconds_total": time.process_time() - cpu0 + _CHILD_CPU[0],
@@ -466,6 +468,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--sync-every", type=int, default=20, help="2 x 2: inner steps per outer round")
     p.add_argument("--subspace-head", type=int, nargs="*", default=[8],
                    help="2 x 2: divisors also run with the last stage's head constrained like the tied one")
+    p.add_argument("--no-stage-embeddings", action="store_true",
+                   help="the subspace models without stage embeddings (GPT(stage_embeddings=False)): every stage "
+                        "reads the frozen E_fix plus k trained dimensions of the token embedding (simulated)")
     p.add_argument("--jobs", type=int, default=1,
                    help="runs in this many forked processes at once, one thread each (simulated; default 1)")
     p.add_argument("--threads", type=int, default=1)

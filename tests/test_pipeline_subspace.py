@@ -330,3 +330,37 @@ def test_activation_codec_checks_except_during_shape_inference():
     with torch.no_grad():  # unchecked: the projection of the stream, whatever it is
         torch.testing.assert_close(same.encode(outside, inputs=idx), (outside - wte.E_fix[idx]) @ wte.U,
                                    rtol=0, atol=1e-6)
+
+
+# ------------------------------------------------------------------ stage embeddings: every stage re-embeds the ids
+def _stage_embedding_pipe(rank: int, world: int, k: int) -> dict:
+    mesh = ReplicaMesh(1, world)
+    stage = build_stage(CFG3 if world == 3 else CFG, world, mesh.stage, subspace_rank=k, subspace_seed=SEED, seed=5,
+                        stage_embeddings=True)
+    pipe = Pipeline(stage, mesh, lm_loss, M, "1f1b", activation_codec=activation_codec_for(stage))
+    idx, y = lm_batch()
+    loss = pipe.step(idx, y)
+    return {"loss": loss, "grads": {n: p.grad.clone() for n, p in stage.named_parameters()},
+            "stats": pipe.last_step.as_dict()}
+
+
+@pytest.mark.parametrize(("S", "k"), [(2, K), (3, 1)])
+def test_stage_embeddings_pipeline_equals_the_unsplit_model_and_sends_k_numbers_per_token(tmp_path, S, k):
+    res = run_ranks(_stage_embedding_pipe, S, tmp_path, k)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        model = GPT(CFG3 if S == 3 else CFG, subspace_rank=k, subspace_seed=SEED, subspace_stages=S,
+                    stage_embeddings=True)
+    assert len(model.stage_embeddings) == S
+    idx, y = lm_batch()
+    _, want_loss = model(idx, y)
+    want_loss.backward()
+    torch.testing.assert_close(res[-1]["loss"], want_loss.detach(), rtol=1e-6, atol=1e-6)
+    for s, r in enumerate(res):  # every stage's own embedding gets the gradient of the unsplit model's
+        for part in ("wte", "wpe"):
+            torch.testing.assert_close(r["grads"][f"stage_embedding.{part}.weight"],
+                                       model.stage_embeddings[s].get_submodule(part).weight.grad, rtol=1e-5,
+                                       atol=1e-6)
+    for s, r in enumerate(res):  # still k numbers per token and direction cross each boundary
+        assert r["stats"]["forward_bytes_sent"] == (k * B * T * 4 if s < S - 1 else 0)
+        assert r["stats"]["backward_bytes_sent"] == (k * B * T * 4 if s > 0 else 0)

@@ -720,3 +720,63 @@ def test_the_gossip_codecs_never_import_the_pipeline():
     code = ("import sys, warnings; import fgdiloco.factor as f; assert 'fgdiloco.pipeline' not in sys.modules; "
             "warnings.simplefilter('ignore'); f.SubspaceCodec; assert 'fgdiloco.pipeline.subspace' in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_stage_embeddings_keep_the_boundary_in_the_subspace_and_the_split_exact():
+    cfg = GPTConfig(vocab_size=50, block_size=16, n_layer=4, n_head=2, n_embd=32)
+    torch.manual_seed(0)
+    model = GPT(cfg, subspace_rank=4, subspace_seed=1, subspace_stages=2, stage_embeddings=True)
+    plain_sub = GPT(cfg, subspace_rank=4, subspace_seed=1, subspace_stages=2)
+    added = sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in plain_sub.parameters())
+    assert added == 2 * (cfg.vocab_size + cfg.block_size) * cfg.n_embd  # one token + position table per stage
+    idx = torch.randint(0, cfg.vocab_size, (3, 16))
+    found = dict(model.check_subspace(idx))  # the constrained boundaries are in E_fix + span(U) to rounding
+    assert found["block 1"].max_relative < 1e-5
+    assert found["block 3 (free)"].max_relative > 1e-2  # the last stage's own embedding is in its stream
+    first, last = model.split(2)
+    assert first.stage_embedding is not None and last.stage_embedding is not None
+    codec = first.subspace_codec()
+    x = first(idx)
+    logits = last(codec.decompress(*codec.compress(x, idx)), idx)
+    torch.testing.assert_close(logits, model(idx)[0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="stage 1 re-embeds the tokens"):
+        last(codec.decompress(*codec.compress(x, idx)))
+    with pytest.raises(ValueError, match="split it into 2 stages"):
+        model.split(1)
+    # the stage's own embedding trains: a step moves it and the stream at the boundary stays in the subspace
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(idx, idx)[1].backward()
+    before = model.stage_embeddings[0].wte.weight.detach().clone()
+    opt.step()
+    assert not torch.equal(before, model.stage_embeddings[0].wte.weight)
+    assert dict(model.check_subspace(idx))["block 1"].max_relative < 1e-5
+
+
+@pytest.mark.parametrize(("kwargs", "exc", "match"), [
+    ({"subspace_rank": 4, "stage_embeddings": True}, ValueError, "needs subspace_rank and subspace_stages"),
+    ({"stage_embeddings": True}, ValueError, "needs subspace_rank and subspace_stages"),
+    ({"subspace_rank": 4, "subspace_stages": 2, "stage_embeddings": 1}, TypeError, "stage_embeddings must be a bool"),
+])
+def test_bad_stage_embeddings_raise_before_anything(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        GPT(GPTConfig(vocab_size=50, block_size=16, n_layer=4, n_head=2, n_embd=32), **kwargs)
+
+
+def test_the_example_job_builds_stage_embeddings_for_a_split_subspace_model_unless_told_not_to():
+    import argparse
+
+    from fgdiloco.pretrain.config import TrainConfig, add_train_arguments
+    from fgdiloco.pretrain.recipe import build_model
+
+    small = {"workers": 2, "stages": 2, "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16}
+    assert len(build_model(TrainConfig(**small, subspace_rank=4), 50).stage_embeddings) == 2
+    assert build_model(TrainConfig(**small, subspace_rank=4, stage_embeddings=False), 50).stage_embeddings is None
+    assert build_model(TrainConfig(**small), 50).stage_embeddings is None  # the plain model has none
+    assert build_model(TrainConfig(**{**small, "stages": 1, "workers": 2}, subspace_rank=4),
+                       50).stage_embeddings is None  # one stage: nothing crosses, every block constrained
+    p = argparse.ArgumentParser()
+    add_train_arguments(p)
+    assert TrainConfig.from_arguments(p.parse_args(["--no-stage-embeddings"])).stage_embeddings is False
+    assert TrainConfig.from_arguments(p.parse_args([])).stage_embeddings is True
+    # a run saved before stage embeddings existed resumes without them
+    assert TrainConfig.from_dict({"subspace_rank": 4}).stage_embeddings is False

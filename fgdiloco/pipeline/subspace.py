@@ -575,26 +575,35 @@ class SubspaceActivationCodec:
     skipped while the pipeline infers shapes on uninitialised tensors
     (:func:`fgdiloco.pipeline.codec.shape_inference`).
 
+    With ``with_tokens=True`` :meth:`decode` returns ``(x, tokens)``, so the receiving stage module is called as
+    ``module(x, tokens)``: for stages that read the token ids themselves, e.g. a GPT built with
+    ``stage_embeddings=True`` whose every stage re-embeds the tokens (:class:`fgdiloco.pretrain.model.GPT`). The ids
+    are the ones every stage already reads; nothing more crosses the boundary.
+
     Args:
         codec: the :class:`SubspaceCodec` (e.g. ``GPT.subspace_codec()`` or a stage's); or build one from
             ``basis`` and ``token_embedding`` as :class:`SubspaceCodec` does (keywords ``check``, ``tol`` as there).
+        with_tokens: whether :meth:`decode` hands the token ids to the receiving stage module too (bool).
 
     Raises:
-        TypeError: ``codec`` is not a :class:`SubspaceCodec`.
+        TypeError: ``codec`` is not a :class:`SubspaceCodec`, ``with_tokens`` not a bool.
     """
 
     needs_inputs = True
 
-    def __init__(self, codec: SubspaceCodec):
+    def __init__(self, codec: SubspaceCodec, *, with_tokens: bool = False):
         if not isinstance(codec, SubspaceCodec):
             raise TypeError(f"codec must be a SubspaceCodec, got {type(codec).__name__}")
+        if not isinstance(with_tokens, bool):
+            raise TypeError(f"with_tokens must be a bool, got {type(with_tokens).__name__}")
         self.codec = codec
+        self.with_tokens = with_tokens
 
     @classmethod
     def from_basis(cls, basis: SubspaceBasis | torch.Tensor, token_embedding: torch.Tensor, *, check: bool = True,
-                   tol: float | None = None) -> SubspaceActivationCodec:
-        """``SubspaceActivationCodec(SubspaceCodec(basis, token_embedding, check=check, tol=tol))``."""
-        return cls(SubspaceCodec(basis, token_embedding, check=check, tol=tol))
+                   tol: float | None = None, with_tokens: bool = False) -> SubspaceActivationCodec:
+        """``SubspaceActivationCodec(SubspaceCodec(basis, token_embedding, check=check, tol=tol), with_tokens=...)``."""
+        return cls(SubspaceCodec(basis, token_embedding, check=check, tol=tol), with_tokens=with_tokens)
 
     @property
     def k(self) -> int:
@@ -612,10 +621,12 @@ class SubspaceActivationCodec:
             return _BoundaryOut.apply(x, *self._u_e(x, tokens))
         return self.codec.boundary_out(x, tokens)
 
-    def decode(self, c: torch.Tensor, inputs: object = None) -> torch.Tensor:
+    def decode(self, c: torch.Tensor, inputs: object = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Receiving stage: ``x = E_fix[tokens] + U c``, ``[b, T, d]`` (differentiable; backward gives the
-        ``∂L/∂c`` that is sent back)."""
-        return self.codec.boundary_in(c, _tokens_of(inputs))
+        ``∂L/∂c`` that is sent back); ``(x, tokens)`` with ``with_tokens``."""
+        tokens = _tokens_of(inputs)
+        x = self.codec.boundary_in(c, tokens)
+        return (x, tokens) if self.with_tokens else x
 
     def _u_e(self, x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.codec._check_x(x, tokens)
@@ -628,4 +639,5 @@ class SubspaceActivationCodec:
         return self.codec.wire_bytes(batch, seq, dtype)
 
     def __repr__(self) -> str:
-        return f"SubspaceActivationCodec({self.codec!r})"
+        extra = ", with_tokens=True" if self.with_tokens else ""
+        return f"SubspaceActivationCodec({self.codec!r}{extra})"

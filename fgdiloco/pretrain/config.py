@@ -167,6 +167,11 @@ class TrainConfig:
                                      "n_embd x K basis (Subspace Networks); with --stages > 1 each stage boundary "
                                      "sends K numbers per token instead of n_embd (default: the plain model)",
                                      _MODEL, metavar="K")
+    stage_embeddings: bool = _job(True, Flag(), "with --subspace-rank and --stages > 1: no stage embeddings, so every "
+                                  "stage reads the frozen E_fix plus K trained dimensions of the token embedding "
+                                  "(GPT(stage_embeddings=False); by default every stage re-embeds the token ids "
+                                  "with its own trainable embedding, which never crosses a boundary)", _MODEL,
+                                  flag="--no-stage-embeddings")
     # data
     data: str | None = _job(None, None, "UTF-8 text file or folder of .txt files (default: the bundled "
                             "public-domain corpus)", _DATA, metavar="PATH")
@@ -209,12 +214,15 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], *, strict: bool = True) -> TrainConfig:
         """The configuration of a saved ``config.json`` (or ``summary.json``'s ``config``): flat names, older runs'
-        names too (:data:`LEGACY_NAMES`). ``strict=False`` ignores keys that are not fields (another version's).
+        names too (:data:`LEGACY_NAMES`; a config without ``stage_embeddings`` is an older run's: False).
+        ``strict=False`` ignores keys that are not fields (another version's).
 
         Raises:
             TypeError: an unknown key with ``strict``.
         """
         values = {LEGACY_NAMES.get(k, k): v for k, v in values.items()}
+        # a run saved before stage embeddings existed built its split subspace model without them: it resumes so
+        values.setdefault("stage_embeddings", False)
         known = set(cls.names())
         unknown = sorted(set(values) - known)
         if unknown and strict:

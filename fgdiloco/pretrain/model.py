@@ -33,9 +33,9 @@ from ..pipeline.subspace import (
 
 SUBSPACE_HEADS = ("dense", "subspace")
 
-__all__ = ["GPT", "GPTConfig", "GPTStage", "SubspaceLinear", "SubspacePositionEmbedding", "SubspaceTiedHead",
-           "SubspaceTokenEmbedding", "activation_codec_for", "build_stage", "fragments_of", "lm_loss", "stage_layers",
-           "two_stage_loss", "two_stage_step"]
+__all__ = ["GPT", "GPTConfig", "GPTStage", "StageEmbedding", "SubspaceLinear", "SubspacePositionEmbedding",
+           "SubspaceTiedHead", "SubspaceTokenEmbedding", "activation_codec_for", "build_stage", "fragments_of",
+           "lm_loss", "stage_layers", "two_stage_loss", "two_stage_step"]
 
 
 def stage_layers(n_layer: int, stages: int) -> list[range]:
@@ -187,6 +187,18 @@ class GPT(nn.Module):
     (:meth:`load_plain` maps a plain model's weights in; for ``k < d`` it gives the orthogonal projection).
     ``subspace_rank=None`` is the plain model, unchanged (the same code path; pinned by a numeric fixture).
 
+    **Stage embeddings** (``stage_embeddings=True``, with ``subspace_stages=S``). The token ids are on every stage
+    anyway (the first embeds them, the last needs the targets, the codec adds ``E_fix[tokens]``), so every stage
+    ``s`` re-embeds them with its own trainable, full-rank token and position embedding ``L_s[tokens] + Q_s[pos]``
+    (:class:`StageEmbedding`, ``vocab × d`` and ``block_size × d``, drawn like the plain model's): the stage adds
+    it to the stream it received before its first block and, on every stage but the last, removes it again after
+    its last block, so what crosses a boundary is still ``E_fix[tokens] + U c`` (the same k numbers per token; the
+    boundary stays lossless) while every stage's blocks read a token embedding that trains in all d dimensions.
+    Without them the token-specific part of the stream is the frozen ``E_fix`` plus k trained dimensions, which is
+    what the subspace model loses most by (``benchmarks/subspace.py``; docs/pipelines.md quotes it). It adds
+    ``S · (vocab + block_size) · d`` parameters; in the unsplit model stage ``s`` is the blocks of
+    :func:`stage_layers` ``(n_layer, S)[s]``.
+
     Args:
         config: the sizes (:class:`GPTConfig`).
         subspace_rank: k, the rank of the residual-stream subspace (int in [1, n_embd]), or None (plain model).
@@ -194,19 +206,22 @@ class GPT(nn.Module):
         subspace_stages: the number of pipeline stages the model will be split into (int in ``[2, n_layer]``:
             the last stage's blocks write freely), or None (every block constrained); ignored without
             ``subspace_rank``.
+        stage_embeddings: whether every stage re-embeds the tokens (bool, see above); needs ``subspace_rank`` and
+            ``subspace_stages``.
 
     Attributes:
         subspace_layers: the constrained blocks, ``range(0, c)`` (``range(0)`` for a plain model).
+        stage_embeddings: the :class:`StageEmbedding` of each stage (``nn.ModuleList``), or None.
 
     Raises:
-        TypeError, ValueError: ``subspace_rank``, ``subspace_seed`` or ``subspace_stages`` out of range (before
-            anything is built).
+        TypeError, ValueError: ``subspace_rank``, ``subspace_seed``, ``subspace_stages`` or ``stage_embeddings``
+            out of range (before anything is built).
     """
 
     def __init__(self, config: GPTConfig, subspace_rank: int | None = None, subspace_seed: int = 0,
-                 subspace_stages: int | None = None):
+                 subspace_stages: int | None = None, stage_embeddings: bool = False):
         super().__init__()
-        _check_subspace_args(config, subspace_rank, subspace_seed, subspace_stages)
+        _check_subspace_args(config, subspace_rank, subspace_seed, subspace_stages, stage_embeddings)
         self.config = config
         self.transformer = nn.ModuleDict(
             dict(
@@ -229,6 +244,8 @@ class GPT(nn.Module):
         self.subspace_layers = _constrained_layers(config.n_layer, subspace_rank, self.subspace_stages)
         if subspace_rank is not None:
             _reparametrise(self, subspace_rank, subspace_seed, self.subspace_layers)
+        self.stage_embeddings = (nn.ModuleList(StageEmbedding(config) for _ in range(subspace_stages))
+                                 if stage_embeddings else None)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -288,7 +305,8 @@ class GPT(nn.Module):
         Raises:
             TypeError: ``stages`` not an int.
             ValueError: ``stages`` outside ``[1, n_layer]``, ``subspace_head`` not ``"dense"`` / ``"subspace"``, a
-                boundary after a block that writes freely (a subspace model built for another split).
+                boundary after a block that writes freely (a subspace model built for another split), a model
+                with stage embeddings split into another number of stages than it was built for.
         """
         if isinstance(stages, bool) or not isinstance(stages, int):
             raise TypeError(f"stages must be an int in [1, n_layer={self.config.n_layer}], got "
@@ -298,6 +316,11 @@ class GPT(nn.Module):
                              f"one block), got {stages}")
         if subspace_head not in SUBSPACE_HEADS:
             raise ValueError(f"subspace_head must be one of {SUBSPACE_HEADS}, got {subspace_head!r}")
+        if self.stage_embeddings is not None and stages != len(self.stage_embeddings):
+            raise ValueError(f"this model has one stage embedding per stage of split({len(self.stage_embeddings)}) "
+                             f"(stage_embeddings=True, subspace_stages={self.subspace_stages}); split({stages}) "
+                             f"would move blocks away from their stage's embedding: split it into "
+                             f"{len(self.stage_embeddings)} stages")
         layers = stage_layers(self.config.n_layer, stages)
         last_boundary = layers[-1].start  # the stream crosses after blocks r.stop - 1 of every stage but the last
         if self.subspace_rank is not None and last_boundary > self.subspace_layers.stop:
@@ -320,8 +343,11 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {seq_len} exceeds block_size {self.config.block_size}")
         pos = torch.arange(seq_len, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
-        for block in self.transformer.h:
-            x = block(x)
+        if self.stage_embeddings is None:
+            for block in self.transformer.h:
+                x = block(x)
+        else:
+            x = _through_stages(self, x, idx)
         logits = self.lm_head(self.transformer.ln_f(x))
         loss = None
         if targets is not None:
@@ -359,8 +385,9 @@ class GPT(nn.Module):
     def load_plain(self, plain: GPT | dict[str, torch.Tensor]) -> None:
         """Load a plain GPT's weights (a :class:`GPT` built without ``subspace_rank`` or its ``state_dict``) into
         this reparametrised one: every residual-stream write is projected onto ``span(U)`` (``Z = UᵀW``,
-        ``z_b = Uᵀb``, ``Z_pos = W_pos U``, ``Z_tok = (W_tok − E_fix) U``), everything else is copied. Exact for
-        ``subspace_rank = n_embd`` (same logits), the orthogonal projection otherwise.
+        ``z_b = Uᵀb``, ``Z_pos = W_pos U``, ``Z_tok = (W_tok − E_fix) U``), everything else is copied (stage
+        embeddings, which a plain model lacks, keep their values). Exact for ``subspace_rank = n_embd`` without
+        stage embeddings (same logits), the orthogonal projection otherwise.
 
         Raises:
             RuntimeError: this model was built without ``subspace_rank``.
@@ -372,6 +399,38 @@ class GPT(nn.Module):
 # ---------------------------------------------------------------------------------------------- subspace option
 # The subspace reparametrisation (GPT(..., subspace_rank=k)) is self-contained below: the GPT above only calls
 # _check_subspace_args / _reparametrise at construction and delegates its subspace methods here.
+
+
+class StageEmbedding(nn.Module):
+    """A stage's own token and position embedding (``GPT(..., stage_embeddings=True)``): ``forward(idx [B, T]) ->
+    dropout(L[idx] + Q[0..T-1])`` (``[B, T, d]``), ``L`` = ``wte`` (``vocab × d``), ``Q`` = ``wpe``
+    (``block_size × d``), both trainable, initialised ``N(0, 0.02²)`` as the plain model's embeddings."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        for e in (self.wte, self.wpe):
+            nn.init.normal_(e.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[-1], dtype=torch.long, device=idx.device)
+        return self.drop(self.wte(idx) + self.wpe(pos))
+
+
+def _through_stages(gpt: GPT, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """The blocks of a GPT with stage embeddings: each stage adds its own embedding to the stream, runs its blocks,
+    and (all but the last) takes the embedding out again, as the split stages do."""
+    ranges = stage_layers(gpt.config.n_layer, len(gpt.stage_embeddings))
+    for s, r in enumerate(ranges):
+        local = gpt.stage_embeddings[s](idx)
+        x = x + local
+        for i in r:
+            x = gpt.transformer.h[i](x)
+        if s < len(ranges) - 1:
+            x = x - local
+    return x
 
 
 class SubspaceLinear(nn.Module):
@@ -449,7 +508,7 @@ class SubspaceTiedHead(nn.Module):
 
 
 def _check_subspace_args(config: GPTConfig, subspace_rank: int | None, subspace_seed: int,
-                         subspace_stages: int | None = None) -> None:
+                         subspace_stages: int | None = None, stage_embeddings: bool = False) -> None:
     if subspace_rank is not None:
         if isinstance(subspace_rank, bool) or not isinstance(subspace_rank, int):
             raise TypeError(f"subspace_rank must be None or an int in [1, n_embd={config.n_embd}], got "
@@ -469,6 +528,12 @@ def _check_subspace_args(config: GPTConfig, subspace_rank: int | None, subspace_
             hint = ("; one stage has no boundary to compress: use subspace_stages=None to constrain every block, "
                     "or subspace_rank=None" if subspace_stages == 1 else "")
             raise ValueError(f"subspace_stages must be {allowed}, got {subspace_stages}{hint}")
+    if not isinstance(stage_embeddings, bool):
+        raise TypeError(f"stage_embeddings must be a bool, got {type(stage_embeddings).__name__}")
+    if stage_embeddings and (subspace_rank is None or subspace_stages is None):
+        raise ValueError(f"stage_embeddings=True needs subspace_rank and subspace_stages (each stage of the split "
+                         f"re-embeds the tokens), got subspace_rank={subspace_rank!r}, "
+                         f"subspace_stages={subspace_stages!r}")
 
 
 def _constrained_layers(n_layer: int, subspace_rank: int | None, subspace_stages: int | None) -> range:
@@ -521,10 +586,23 @@ def _subspace_residual(gpt: GPT, idx: torch.Tensor) -> list[tuple[str, Residual]
     codec = _subspace_codec(gpt, check=False, tol=None)
     streams: list[tuple[str, torch.Tensor]] = []
     blocks = gpt.transformer.h
-    hooks = [blocks[0].register_forward_pre_hook(lambda m, args: streams.append(("embedding", args[0])))]
+    # with stage embeddings a stage's blocks see the stream plus that stage's own embedding, which never crosses
+    # a boundary: it is taken out before the stream is measured
+    local: dict[int, torch.Tensor] = {}
+    stage_of = [0] * len(blocks)
+    if gpt.stage_embeddings is not None:
+        for s, r in enumerate(stage_layers(len(blocks), len(gpt.stage_embeddings))):
+            for i in r:
+                stage_of[i] = s
+        local = {s: torch.zeros(()) for s in range(len(gpt.stage_embeddings))}
+    hooks = [emb.register_forward_hook(lambda m, args, out, s=s: local.__setitem__(s, out))
+             for s, emb in enumerate(gpt.stage_embeddings or [])]
+    hooks.append(blocks[0].register_forward_pre_hook(
+        lambda m, args: streams.append(("embedding", args[0] - local.get(0, 0)))))
     for i, block in enumerate(blocks):
         where = f"block {i}" if i in gpt.subspace_layers else f"block {i} (free)"
-        hooks.append(block.register_forward_hook(lambda m, args, out, w=where: streams.append((w, out))))
+        hooks.append(block.register_forward_hook(
+            lambda m, args, out, w=where, i=i: streams.append((w, out - local.get(stage_of[i], 0)))))
     try:
         with torch.no_grad():
             gpt(idx)
@@ -585,7 +663,7 @@ def _load_plain(gpt: GPT, plain: GPT | dict[str, torch.Tensor]) -> None:
                 projected[f"{prefix}weight"] = (w - E_fix) @ U
     merged = {}
     for key, value in own.items():
-        if key in frozen:
+        if key in frozen or key.startswith("stage_embeddings."):  # buffers; embeddings the plain model lacks
             merged[key] = value
             continue
         src = projected[key] if key in projected else state.get(key)
@@ -609,7 +687,10 @@ class GPTStage(nn.Module):
     ``subspace_seed``, ``subspace_stages`` (None / the model's), ``subspace_layers`` (the model's constrained blocks,
     global indices), ``subspace_head`` (see :meth:`GPT.split`); for a subspace model the buffers ``U``
     (``n_embd × k``) and ``E_fix`` (``vocab_size × n_embd``), this stage's own copies, shared by its modules (the
-    last stage keeps them for its receiving boundary even when none of its blocks writes through ``U``).
+    last stage keeps them for its receiving boundary even when none of its blocks writes through ``U``);
+    ``stage_embedding``: this stage's :class:`StageEmbedding` (a copy of the model's ``stage_embeddings[index]``)
+    or None. A stage with one reads the token ids: call it as ``stage(x, tokens)`` (the first stage takes the ids
+    as ``x``), as :func:`activation_codec_for`'s codec does in a pipeline.
     """
 
     def __init__(self, model: GPT, index: int, stages: int, layers: range, *, subspace_head: str = "dense"):
@@ -633,6 +714,8 @@ class GPTStage(nn.Module):
             self.wpe = copy.deepcopy(t.wpe, memo)
             self.drop = copy.deepcopy(t.drop, memo)
         self.h = nn.ModuleList(copy.deepcopy(t.h[i], memo) for i in layers)
+        self.stage_embedding = (copy.deepcopy(model.stage_embeddings[index], memo)
+                                if model.stage_embeddings is not None else None)
         if self.is_last:
             self.ln_f = copy.deepcopy(t.ln_f, memo)
             if model.subspace_rank is not None and not self.is_first and subspace_head == "dense":
@@ -657,26 +740,42 @@ class GPTStage(nn.Module):
                                "subspace (build it as GPT(config, subspace_rank=k))")
         return SubspaceCodec(SubspaceBasis.from_tensor(self.U, self.subspace_seed), self.E_fix, check=check, tol=tol)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids ``[B, T]`` (first stage) or the residual stream ``[B, T, n_embd]`` -> the residual stream, or
-        logits ``[B, T, vocab_size]`` on the last stage."""
+        logits ``[B, T, vocab_size]`` on the last stage. ``tokens`` (``[B, T]``): the token ids, needed by a
+        stage after the first that has a :attr:`stage_embedding` (ignored otherwise).
+
+        Raises:
+            ValueError: a sequence longer than ``block_size``; ``tokens`` missing where the stage needs them.
+        """
         if self.is_first:
             seq_len = x.shape[1]
             if seq_len > self.config.block_size:
                 raise ValueError(f"sequence length {seq_len} exceeds block_size {self.config.block_size}")
+            tokens = x
             pos = torch.arange(seq_len, dtype=torch.long, device=x.device)
             x = self.drop(self.wte(x) + self.wpe(pos))
+        local = None
+        if self.stage_embedding is not None:
+            if tokens is None:
+                raise ValueError(f"stage {self.index} re-embeds the tokens (stage_embeddings=True): call it as "
+                                 f"stage(x, tokens) with the batch's token ids [B, T] (in a Pipeline, use "
+                                 f"activation_codec_for(stage), which passes them)")
+            local = self.stage_embedding(tokens)
+            x = x + local
         for block in self.h:
             x = block(x)
         if self.is_last:
-            x = self.lm_head(self.ln_f(x))
-        return x
+            return self.lm_head(self.ln_f(x))
+        return x if local is None else x - local
 
     def extra_repr(self) -> str:
         k = "" if self.subspace_rank is None else f", subspace_rank={self.subspace_rank}"
         free = [i for i in self.layers if i not in self.subspace_layers]
         if self.subspace_rank is not None and free:
             k += f", free blocks {free[0]}..{free[-1]}"
+        if self.stage_embedding is not None:
+            k += ", own token embedding"
         return f"stage {self.index} of {self.stages}, blocks {self.layers.start}..{self.layers.stop - 1}{k}"
 
 
@@ -685,7 +784,8 @@ def activation_codec_for(model: GPT | GPTStage, *, check: bool = True, tol: floa
     """The :class:`~fgdiloco.pipeline.Pipeline` ``activation_codec`` for a :class:`GPT` or one of its
     :class:`GPTStage` s: a :class:`~fgdiloco.pipeline.subspace.SubspaceActivationCodec` over its ``U`` / ``E_fix``
     for a subspace model (``c``, ``[B, T, k]``, crosses each boundary forward, ``∂L/∂c`` backward; every stage
-    reads the token ids itself), ``None`` for a plain model (the stream ``[B, T, n_embd]`` travels as it is).
+    reads the token ids itself and, with stage embeddings, gets them as its second argument), ``None`` for a plain
+    model (the stream ``[B, T, n_embd]`` travels as it is).
     ``check`` / ``tol``: the out-of-subspace check at each sending boundary (see
     :class:`~fgdiloco.pipeline.subspace.SubspaceCodec`). Use it on every stage of the pipeline, e.g.
     ``Pipeline(stage, mesh, lm_loss, m, activation_codec=activation_codec_for(stage))``.
@@ -694,16 +794,19 @@ def activation_codec_for(model: GPT | GPTStage, *, check: bool = True, tol: floa
         TypeError: ``model`` is neither a :class:`GPT` nor a :class:`GPTStage`.
     """
     if isinstance(model, GPT):
-        return None if model.subspace_rank is None else SubspaceActivationCodec(model.subspace_codec(check=check,
-                                                                                                      tol=tol))
-    if isinstance(model, GPTStage):
-        return None if model.subspace_rank is None else SubspaceActivationCodec(model.subspace_codec(check=check,
-                                                                                                      tol=tol))
-    raise TypeError(f"model must be a GPT or a GPTStage, got {type(model).__name__}")
+        with_tokens = model.stage_embeddings is not None
+    elif isinstance(model, GPTStage):
+        with_tokens = model.stage_embedding is not None
+    else:
+        raise TypeError(f"model must be a GPT or a GPTStage, got {type(model).__name__}")
+    if model.subspace_rank is None:
+        return None
+    return SubspaceActivationCodec(model.subspace_codec(check=check, tol=tol), with_tokens=with_tokens)
 
 
 def build_stage(config: GPTConfig, stages: int, stage: int, *, subspace_rank: int | None = None,
-                subspace_seed: int = 0, seed: int = 0, subspace_head: str = "dense") -> GPTStage:
+                subspace_seed: int = 0, seed: int = 0, subspace_head: str = "dense",
+                stage_embeddings: bool = False) -> GPTStage:
     """Stage ``stage`` of ``stages`` of the model ``torch.manual_seed(seed); GPT(config, subspace_rank,
     subspace_seed, subspace_stages=stages)`` builds (:meth:`GPT.split`), with the global RNG left as it was: every
     rank that calls it with the same arguments gets the stage of the same model, so the stages of a replica fit
@@ -718,6 +821,8 @@ def build_stage(config: GPTConfig, stages: int, stage: int, *, subspace_rank: in
         subspace_rank, subspace_seed: as :class:`GPT` (None: the plain model).
         seed: the seed of the parameters' initialisation (int >= 0).
         subspace_head: the last stage's head of a subspace model, ``"dense"`` or ``"subspace"`` (:meth:`GPT.split`).
+        stage_embeddings: whether every stage of a subspace model re-embeds the tokens (:class:`GPT`; bool; needs
+            ``subspace_rank`` and ``stages > 1``).
 
     Raises:
         TypeError, ValueError: an argument of the wrong type or out of range (before anything is built).
@@ -732,13 +837,13 @@ def build_stage(config: GPTConfig, stages: int, stage: int, *, subspace_rank: in
                              if name == "stages" else f"{name} must be an int >= 0, got {value}")
     if stage >= stages:
         raise ValueError(f"stage must be an int in [0, stages={stages}), got {stage}")
-    _check_subspace_args(config, subspace_rank, subspace_seed)
+    _check_subspace_args(config, subspace_rank, subspace_seed, stages if stages > 1 else None, stage_embeddings)
     if subspace_head not in SUBSPACE_HEADS:
         raise ValueError(f"subspace_head must be one of {SUBSPACE_HEADS}, got {subspace_head!r}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = GPT(config, subspace_rank=subspace_rank, subspace_seed=subspace_seed,
-                    subspace_stages=stages if stages > 1 else None)
+                    subspace_stages=stages if stages > 1 else None, stage_embeddings=stage_embeddings)
         return model.split(stages, subspace_head=subspace_head)[stage]
 
 
@@ -780,7 +885,7 @@ def two_stage_step(stages: list[GPTStage], idx: torch.Tensor, targets: torch.Ten
     x = first(idx)
     sent = x if codec is None else codec.boundary_out(x, idx)  # stage 0's output
     received = sent.detach().requires_grad_()  # the wire
-    logits = last(received if codec is None else codec.boundary_in(received, idx))
+    logits = last(received if codec is None else codec.boundary_in(received, idx), idx)
     loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
     loss.backward()  # stage 1
     sent.backward(received.grad)  # stage 0, from the gradient that came back
@@ -799,7 +904,7 @@ def two_stage_loss(stages: list[GPTStage], codec: SubspaceCodec | None,
         x = stages[0](idx)
         if codec is not None:
             x = codec.decompress(*codec.compress(x, idx))
-        logits = stages[1](x)
+        logits = stages[1](x, idx)
         total += float(F.cross_entropy(logits.reshape(-1, logits.size(-1)), tgt.reshape(-1), reduction="sum"))
         n += tgt.numel()
     for s in stages:

@@ -48,7 +48,8 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> GPT:
     torch.manual_seed(cfg.seed)
     return GPT(GPTConfig(vocab_size=vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
                          n_embd=cfg.n_embd, dropout=cfg.dropout), subspace_rank=cfg.subspace_rank,
-               subspace_stages=cfg.stages if cfg.stages > 1 else None)  # only what crosses a boundary: in U
+               subspace_stages=cfg.stages if cfg.stages > 1 else None,  # only what crosses a boundary: in U
+               stage_embeddings=cfg.stage_embeddings and cfg.subspace_rank is not None and cfg.stages > 1)
 
 
 def eval_batches(cfg: TrainConfig, val: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
