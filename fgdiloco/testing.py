@@ -8,7 +8,9 @@ own code around :class:`fgdiloco.FGDiLoCo`).
 process group on a FileStore, calls ``fn(rank, world_size, *args)`` and sends its (picklable) return value back
 through a pipe. The parent returns the list of results indexed by rank; a child that raised re-raises here with
 its traceback, a child that died (``os._exit``) or is still running after ``timeout`` seconds gives ``None``
-(``allow_missing``) or fails the test. ``store="tcp"`` uses a TCPStore hosted by rank 0 instead of a FileStore.
+(``allow_missing``) or fails the test. ``store="tcp"`` uses a TCPStore hosted by rank 0 instead of a FileStore;
+rank 0's process then stays alive, serving the store, until every rank has answered or timed out (as torchrun's
+agent store outlives the workers), so a rank still finishing never talks to a dead store.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def _init_on_tcp_store(rank: int, world: int, store_path: str) -> None:
 
 
 def _child(fn: Callable[..., Any], rank: int, world: int, store_path: str, store: str, wfd: int,
-           args: tuple) -> None:
+           args: tuple, release: int | None = None) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     code = 0
@@ -76,27 +78,40 @@ def _child(fn: Callable[..., Any], rank: int, world: int, store_path: str, store
     data = pickle.dumps(out)
     with os.fdopen(wfd, "wb") as w:
         w.write(data)
+    if release is not None:  # the TCPStore's host outlives every other rank (as torchrun's agent store does): a
+        os.read(release, 1)  # rank still finishing its last round under load hung on the dead store till the timeout
     os._exit(code)  # no atexit, no process-group teardown that could wait on dead peers
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, tmp_path: Any, *args: Any, timeout: float = 120.0,
-              allow_missing: Iterable[int] = (), store: str = "file") -> list[Any]:
-    store_path = os.path.join(str(tmp_path), f"store-{time.monotonic_ns()}")
+def _fork_ranks(fn: Callable[..., Any], world_size: int, store_path: str, store: str,
+                args: tuple) -> tuple[list[tuple[int, int]], int | None]:
+    """Fork one child per rank; ``([(pid, read end of its result pipe)], write end of rank 0's release pipe)``.
+    With ``store="tcp"`` rank 0 hosts the store: it exits only when the release pipe's write end closes (EOF)."""
     children = []
+    release_r, release_w = os.pipe() if store == "tcp" else (None, None)
     for rank in range(world_size):
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:
             os.close(r)
-            _child(fn, rank, world_size, store_path, store, w, args)
+            for fd in [release_w] + ([release_r] if rank != 0 else []):
+                if fd is not None:
+                    os.close(fd)
+            _child(fn, rank, world_size, store_path, store, w, args, release_r if rank == 0 else None)
         os.close(w)
         children.append((pid, r))
-    results: list[Any] = [None] * world_size
-    allow = set(allow_missing)
-    buffers: dict[int, list[bytes]] = {rank: [] for rank in range(world_size)}
+    if release_r is not None:
+        os.close(release_r)
+    return children, release_w
+
+
+def _collect(children: list[tuple[int, int]], allow: set[int], timeout: float) -> dict[int, list[bytes]]:
+    """What each rank wrote to its result pipe, until every required rank has answered (then optional ranks get a
+    1 s grace period) or ``timeout`` passes."""
+    buffers: dict[int, list[bytes]] = {rank: [] for rank in range(len(children))}
     open_fds = {r: rank for rank, (_, r) in enumerate(children)}
     deadline = time.monotonic() + timeout
-    grace_end = None  # once every required rank has answered, optional ranks get a short grace period
+    grace_end = None
     while open_fds and time.monotonic() < deadline and (grace_end is None or time.monotonic() < grace_end):
         ready, _, _ = select.select(list(open_fds), [], [], 0.05)
         for fd in ready:
@@ -110,6 +125,18 @@ def run_ranks(fn: Callable[..., Any], world_size: int, tmp_path: Any, *args: Any
             grace_end = time.monotonic() + 1.0
     for fd in open_fds:
         os.close(fd)
+    return buffers
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, tmp_path: Any, *args: Any, timeout: float = 120.0,
+              allow_missing: Iterable[int] = (), store: str = "file") -> list[Any]:
+    store_path = os.path.join(str(tmp_path), f"store-{time.monotonic_ns()}")
+    children, release_w = _fork_ranks(fn, world_size, store_path, store, args)
+    results: list[Any] = [None] * world_size
+    allow = set(allow_missing)
+    buffers = _collect(children, allow, timeout)
+    if release_w is not None:
+        os.close(release_w)  # every rank has answered or timed out: the store's host may go
     errors = []
     for rank in range(world_size):
         data = b"".join(buffers[rank])

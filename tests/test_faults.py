@@ -54,8 +54,10 @@ def test_a_dead_and_a_hung_worker_do_not_stop_the_others(tmp_path):
         assert max(r["blocked"]) < 2 * TIMEOUT + 1.5, r["blocked"]
         # the failures were seen, counted and explained
         assert sum(r["failed"][DIE_AT:]) >= 1
-        assert all(any(w in e for w in ("timed out", "failed", "skipped", "did not arrive", "declined"))
-                   for e in r["errors"]), r["errors"]
+        # ("rank 0 discarded mix2/...": the partner dropped that exchange, e.g. its round had to be discarded)
+        words = ("timed out", "failed", "skipped", "did not arrive", "declined", "discarded")
+        assert all(any(w in e for w in words) for e in r["errors"]), [e for e in r["errors"]
+                                                                       if not any(w in e for w in words)]
         # and training went on: held-out loss keeps falling after the faults
         assert r["evals"][-1] < r["evals"][HANG_AT] < r["evals"][0]
     # the survivors together saw failed exchanges with both faulty workers
