@@ -152,8 +152,8 @@ def test_manual_optimisation_through_pipeline_step(tmp_path):
 K = 4  # of the GPT's d = 32: its boundaries send K/d = 1/8 of the plain split's bytes
 
 
-def _gpt_pipeline_reference(rank: int, world: int, samples: int, batch_size: int, epochs: int, sync_every: int
-                            ) -> dict:
+def _gpt_pipeline_reference(rank: int, world: int, samples: int, batch_size: int, epochs: int, sync_every: int,
+                            stage_embeddings: bool = False) -> dict:
     """The Lightning run of ``train.py --gpt K`` as a plain loop: ``build_stage`` + ``Pipeline(activation_codec=
     activation_codec_for(stage))`` + ``FGDiLoCo(mesh=...)``, the replica's data order of Lightning's
     ``DistributedSampler``; then the plain split's bytes for one batch of the same shape."""
@@ -165,7 +165,7 @@ def _gpt_pipeline_reference(rank: int, world: int, samples: int, batch_size: int
     from tests.lightning_scripts.train import make_gpt_stage, make_inner_optimizer, make_token_dataset
 
     mesh = ReplicaMesh(2, 2, timeout=30.0)
-    stage = make_gpt_stage(K, mesh.stage, 2, 0)
+    stage = make_gpt_stage(K, mesh.stage, 2, 0, stage_embeddings)
     pipe = Pipeline(stage, mesh, lm_loss, 2, "1f1b", activation_codec=activation_codec_for(stage))
     opt = FGDiLoCo(stage, make_inner_optimizer(stage.parameters()), sync_every=sync_every, topology="allreduce",
                    outer_lr=0.7, seed=0, timeout=30.0, mesh=mesh)
@@ -196,11 +196,12 @@ def test_subspace_gpt_pipeline_sends_k_over_d_of_the_bytes_and_equals_the_plain_
     the module's ``configure_activation_codec`` (or the strategy's ``activation_codec=activation_codec_for``):
     every step's boundary carries exactly K/d of the plain split's bytes (measured by the pipelines, both
     directions), and its losses and final weights are those of the plain ``Pipeline`` loop with the same codec.
-    48 samples / (2 replicas x 8) = 3 steps per epoch, 2 epochs, a round every 2 steps."""
-    extra = ("--codec-arg",) if how == "argument" else ()
+    48 samples / (2 replicas x 8) = 3 steps per epoch, 2 epochs, a round every 2 steps. The "argument" run's GPT
+    has stage embeddings (every stage re-embeds the token ids, which the codec hands to the stage module)."""
+    extra = ("--codec-arg", "--stage-embeddings") if how == "argument" else ()
     ranks = _launch(tmp_path / "lightning", "--stages", "2", "--microbatches", "2", "--gpt", str(K), "--samples",
                     "48", "--max-epochs", "2", "--topology", "allreduce", "--sync-every", "2", *extra, devices=4)
-    reference = run_ranks(_gpt_pipeline_reference, 4, tmp_path, 48, 8, 2, 2)
+    reference = run_ranks(_gpt_pipeline_reference, 4, tmp_path, 48, 8, 2, 2, how == "argument")
     d = 32
     for rank, (got, want) in enumerate(zip(ranks, reference)):
         replica, stage = divmod(rank, 2)

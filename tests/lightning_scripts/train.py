@@ -54,12 +54,14 @@ def make_stage(seed: int, stage: int, stages: int) -> nn.Module:
 GPT_CONFIG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 
 
-def make_gpt_stage(subspace_rank: int | None, stage: int, stages: int, seed: int) -> nn.Module:
+def make_gpt_stage(subspace_rank: int | None, stage: int, stages: int, seed: int,
+                   stage_embeddings: bool = False) -> nn.Module:
     """Stage ``stage`` of ``stages`` of the seeded GPT (:func:`fgdiloco.pretrain.build_stage`)."""
     from fgdiloco.pretrain import build_stage
     from fgdiloco.pretrain.model import GPTConfig
 
-    return build_stage(GPTConfig(**GPT_CONFIG), stages, stage, subspace_rank=subspace_rank, seed=seed)
+    return build_stage(GPTConfig(**GPT_CONFIG), stages, stage, subspace_rank=subspace_rank, seed=seed,
+                       stage_embeddings=stage_embeddings)
 
 
 def make_token_dataset(n: int, seed: int = 4321) -> TensorDataset:
@@ -120,6 +122,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--gpt", type=int, default=None, metavar="K",
                    help="with --stages: the pipelined GPT (K > 0: subspace_rank=K, its codec from the module's "
                         "configure_activation_codec; 0: the plain split)")
+    p.add_argument("--stage-embeddings", action="store_true",
+                   help="with --gpt K > 0: GPT(stage_embeddings=True), every stage re-embeds the token ids")
     p.add_argument("--codec-arg", action="store_true",
                    help="with --gpt: pass the codec as the strategy's activation_codec= instead of the hook")
     p.add_argument("--die-rank", type=int, default=None,
@@ -262,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
             self.step_bytes: list[tuple[int, int]] = []
 
         def configure_pipeline_stage(self, stage: int, stages: int) -> nn.Module:
-            return make_gpt_stage(args.gpt or None, stage, stages, args.seed)
+            return make_gpt_stage(args.gpt or None, stage, stages, args.seed, args.stage_embeddings)
 
         if not args.codec_arg:
             def configure_activation_codec(self, stage: int, stages: int):
