@@ -165,10 +165,12 @@ def test_subspace_stages_send_k_numbers_per_token_and_train(tmp_path):
     assert s["config"]["subspace_rank"] == k and s["stages"] == 2
     # the boundary carries the stream's k subspace coefficients (fp32) each way: half of the plain model's bytes
     assert s["activation_bytes_sent"] == 60 * B * T * k * 4
-    # built for its 2 stages: block 0 writes through U, block 1 (the last stage's) freely
+    # built for its 2 stages: block 0 writes through U, block 1 (the last stage's) freely; each stage re-embeds the
+    # token ids with its own embedding (the job's default), which never crosses the boundary
     from fgdiloco.pretrain.model import GPT, GPTConfig
 
+    assert s["config"]["stage_embeddings"] is True
     gcfg = GPTConfig(vocab_size=256, block_size=T, n_layer=2, n_head=2, n_embd=D)
-    want = GPT(gcfg, subspace_rank=k, subspace_stages=2).num_parameters(non_embedding=False)
+    want = GPT(gcfg, subspace_rank=k, subspace_stages=2, stage_embeddings=True).num_parameters(non_embedding=False)
     assert s["params"] == want != GPT(gcfg, subspace_rank=k).num_parameters(non_embedding=False)
     assert s["final_eval_loss"] < s["initial_eval_loss"] - 0.5 and s["final_eval_loss"] < s["unigram_loss"]
