@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -419,17 +420,22 @@ class StageEmbedding(nn.Module):
         return self.drop(self.wte(idx) + self.wpe(pos))
 
 
+def _stage_blocks(blocks: Iterable[nn.Module], x: torch.Tensor, local: torch.Tensor | None,
+                  last: bool) -> torch.Tensor:
+    """One stage's blocks on the stream ``x``: with a stage embedding ``local`` it is added first and, on every stage
+    but the last, taken out again after the blocks, so only ``E_fix[tokens] + U c`` reaches the boundary."""
+    if local is not None:
+        x = x + local
+    for block in blocks:
+        x = block(x)
+    return x if local is None or last else x - local
+
+
 def _through_stages(gpt: GPT, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """The blocks of a GPT with stage embeddings: each stage adds its own embedding to the stream, runs its blocks,
-    and (all but the last) takes the embedding out again, as the split stages do."""
+    """The blocks of a GPT with stage embeddings, stage by stage as the split stages run them."""
     ranges = stage_layers(gpt.config.n_layer, len(gpt.stage_embeddings))
     for s, r in enumerate(ranges):
-        local = gpt.stage_embeddings[s](idx)
-        x = x + local
-        for i in r:
-            x = gpt.transformer.h[i](x)
-        if s < len(ranges) - 1:
-            x = x - local
+        x = _stage_blocks((gpt.transformer.h[i] for i in r), x, gpt.stage_embeddings[s](idx), s == len(ranges) - 1)
     return x
 
 
@@ -762,12 +768,8 @@ class GPTStage(nn.Module):
                                  f"stage(x, tokens) with the batch's token ids [B, T] (in a Pipeline, use "
                                  f"activation_codec_for(stage), which passes them)")
             local = self.stage_embedding(tokens)
-            x = x + local
-        for block in self.h:
-            x = block(x)
-        if self.is_last:
-            return self.lm_head(self.ln_f(x))
-        return x if local is None else x - local
+        x = _stage_blocks(self.h, x, local, self.is_last)
+        return self.lm_head(self.ln_f(x)) if self.is_last else x
 
     def extra_repr(self) -> str:
         k = "" if self.subspace_rank is None else f", subspace_rank={self.subspace_rank}"
