@@ -26,6 +26,7 @@ from fgdiloco.elastic import (
     connect,
     settings,
 )
+from fgdiloco.elastic.rejoin import ADOPT_ROUNDS
 from fgdiloco.factor import Dense
 from fgdiloco.gossip.mix import Mixer, PeerHealth
 from fgdiloco.gossip.topology import make_topology
@@ -361,13 +362,36 @@ def test_rejoin_adopts_a_live_peers_state_and_round(store):
 
 
 def test_rejoin_with_own_state_jumps_to_the_live_round_and_keeps_its_parameters(store):
+    """A checkpoint less than ADOPT_ROUNDS old is kept (its rounds are not thrown away), even with a donor there."""
     a = _wrapper(_transport(store, 0, 2), 1.0)
     b = _wrapper(_transport(store, 1, 2), 5.0)
     b.load_state_dict(b.state_dict())  # its own checkpoint: not fresh
-    a.transport.membership.publish_round(3)
-    assert b.rejoin() == 3 and b.rejoins == 1
+    a.outer.set(a.outer.theta0, a.outer.momentum, ADOPT_ROUNDS - 1)
+    a.transport.membership.publish_round(ADOPT_ROUNDS - 1)
+    a.transport.membership.serve(a.outer.committed_state)
+    assert b.rejoin() == ADOPT_ROUNDS - 1 and b.rejoins == 1
     for p, t in zip(b.params, b.outer.theta0):
         assert torch.equal(p.detach(), torch.full_like(p, 5.0)) and torch.equal(t, p.detach())
+    a.close(), b.close()
+    a.transport.close(), b.transport.close()
+
+
+def test_rejoin_with_a_checkpoint_adopt_rounds_old_takes_the_live_peers_state_and_keeps_its_inner_state(store):
+    """A restart from a checkpoint ADOPT_ROUNDS or more behind the live round adopts a live peer's parameters and
+    outer momentum (it would pull its partners back to an older model), and keeps its own inner optimizer state."""
+    a = _wrapper(_transport(store, 0, 2), 1.0)
+    b = _wrapper(_transport(store, 1, 2), 5.0)
+    b.inner_optimizer.param_groups[0]["lr"] = 0.25
+    b.load_state_dict(b.state_dict())  # its own checkpoint, of round 0: not fresh
+    a.outer.set(a.outer.theta0, [torch.full_like(m, 0.5) for m in a.outer.momentum], ADOPT_ROUNDS)
+    a.transport.membership.publish_round(ADOPT_ROUNDS)
+    a.transport.membership.serve(a.outer.committed_state)
+    assert b.rejoin() == ADOPT_ROUNDS and b.rejoins == 1
+    for p in b.params:
+        assert torch.equal(p.detach(), torch.ones_like(p))
+    for m in b.outer.momentum:
+        assert torch.equal(m, torch.full_like(m, 0.5))
+    assert b.inner_optimizer.param_groups[0]["lr"] == 0.25
     a.close(), b.close()
     a.transport.close(), b.transport.close()
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from fgdiloco.cli import main
+from fgdiloco.elastic.rejoin import ADOPT_ROUNDS
 from fgdiloco.pretrain.config import TrainConfig
 from fgdiloco.pretrain.launcher import eval_points
 from fgdiloco.pretrain.merge import Merger
@@ -318,6 +319,9 @@ def test_a_killed_stage_restarts_its_replica_which_rejoins_while_the_other_repli
     assert sorted(e["restart"] for e in _lives(out, 0)) == [0, 0]
     (event,) = summary["rejoin_events"]
     assert event["worker"] == 1 and event["life"] == 1 and event["round"] > event["from_round"] >= 8
+    if event["round"] - event["from_round"] >= ADOPT_ROUNDS:  # its checkpoints were old: both stages adopted
+        log1 = (out / "logs" / "worker1.log").read_text(errors="replace")
+        assert log1.count("with a live peer's parameters and outer momentum") == 2, log1[-3000:]
     cfg = TrainConfig(steps=steps, sync_every=h, eval_every=2)
     assert [e["round"] for e in _events(out, 0, "row")] == eval_points(cfg)  # replica 0 never stopped
     for s in range(2):

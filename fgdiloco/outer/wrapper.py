@@ -390,10 +390,11 @@ class FGDiLoCo:
 
         For a worker that restarted (after loading its own checkpoint, or fresh) or hung and came back: it skips
         the rounds it missed, starting the live round from its own parameters, outer momentum and inner optimizer
-        state, or, without state of its own, from a live peer's. Counted in :attr:`rejoins` and in
-        ``RoundStats.rejoins``, logged. An elastic wrapper does it by itself at its first step and whenever it has
-        fallen behind; a round in flight is discarded first. Without a membership that knows the live round (not
-        elastic) it changes nothing.
+        state, or, without state of its own or with state ``ADOPT_ROUNDS`` (3) or more rounds older than the live
+        round (:mod:`fgdiloco.elastic.rejoin`), from a live peer's parameters and outer momentum. Counted in
+        :attr:`rejoins` and in ``RoundStats.rejoins``, logged. An elastic wrapper does it by itself at its first
+        step and whenever it has fallen behind; a round in flight is discarded first. Without a membership that
+        knows the live round (not elastic) it changes nothing.
         """
         self._end_round(keep_clock=True)
         if self.transport is not None:
