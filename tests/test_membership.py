@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -262,6 +263,35 @@ def test_rounds_are_published_and_the_live_round_is_the_newest(store):
 
 
 @pytest.mark.slow
+def test_discarding_an_exchange_whose_peer_died_after_its_hello_does_not_wait_out_the_gloo_timeout(store):
+    """A peer that posted its hello for a prepared exchange and died: this side committed and is inside Gloo's pair
+    set-up, which waits the exchange timeout (30 s here) for it. Discarding the exchange (close() at the end of a
+    run, a rejoin) waits only until the peer is known gone, not for Gloo (it held close() 30 s, 1 run in ~15)."""
+    key = "mix2/0/7"
+    port_r, port_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the peer: says hello, then dies before it builds its side
+        try:
+            b = _transport(store, 1, 2)
+            b.prepare(0, key=key)
+            with b.membership.stores.lease() as s:
+                s.wait([f"{b.membership.prefix(0, key)}/hello/1"], timedelta(seconds=20))
+            os.write(port_w, b"1")
+        finally:
+            os._exit(0)
+    os.close(port_w)
+    assert os.read(port_r, 1) == b"1"
+    os.waitpid(pid, 0)
+    a = _transport(store, 0, 2, timeout=30.0)
+    a.prepare(1, key=key)
+    with a.membership.stores.lease() as s:  # the hello was there: this side committed and went into Gloo
+        s.wait([f"{a.membership.prefix(1, key)}/decision"], timedelta(seconds=20))
+    t0 = time.monotonic()
+    a.discard(1, key=key)
+    assert time.monotonic() - t0 < a.membership.liveness + 3.0
+    a.close()
+
+
 def test_a_joiner_gets_one_answer_to_its_state_request(store):
     a, b, c = (_transport(store, r, 3).membership for r in range(3))
     a.serve(lambda: (3, b"state of a"))

@@ -359,7 +359,21 @@ class DistributedTransport(Transport):
             self.decline(peer, key=key)
             return
         pending.cancel.set()
-        pending.job.settle()  # whatever it ended with, the exchange is not used
+        since = time.monotonic()
+        while not pending.job.wait(_HELLO_POLL[1]):  # whatever it ends with, the exchange is not used
+            if self._never_ends_soon(peer, since):  # its Gloo set-up waits for a dead peer: its deadline ends it
+                pending.job.forsake()
+                return
+        pending.job.settle()
+
+    def _never_ends_soon(self, peer: int, since: float) -> bool:
+        """Whether a set-up with ``peer`` still running is inside Gloo waiting for a peer that is gone (or whose
+        state the store cannot tell): a discard does not wait for it (it ended after Gloo's own deadline, the
+        exchange timeout, and held a leaving worker's ``close()`` that long)."""
+        try:
+            return self.membership.gone(peer, since) is not None
+        except Exception:  # noqa: BLE001 - a store we cannot reach: the thread ends with Gloo's deadline
+            return True
 
     def open(self, peer: int, *, key: str, timeout: float | None = None, deadline: float | None = None,
              supervised: bool = False) -> Channel:
