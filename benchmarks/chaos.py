@@ -212,9 +212,12 @@ def run_job(folder: Path, args: argparse.Namespace, env: dict[str, str], faults:
                     pending = []
                 else:
                     f = pending.pop(0)
-                    late = progress() >= args.rounds - args.join_rounds  # a joiner needs time to start
+                    done = progress()
+                    late = done >= args.rounds - args.join_rounds  # a joiner needs time to start
+                    # seconds the job has left at its pace so far: a kill needs a restart's time before the end
+                    left = (args.rounds - done) * (now - t0) / max(done, 1.0)
                     rec = _inject(f, args, tenures, slots, folder, env, None if late else address, launch.pid,
-                                  last_store)
+                                  last_store, left)
                     if rec is not None:
                         if rec["kind"] == "store":
                             last_store = rec["at"]
@@ -268,13 +271,16 @@ def _address_from(folder: Path) -> str | None:
 
 
 def _inject(f: dict, args: argparse.Namespace, tenures: list[Tenure], slots: dict[int, Tenure | None],
-            folder: Path, env: dict[str, str], address: str | None, launcher: int, last_store: float) -> dict | None:
+            folder: Path, env: dict[str, str], address: str | None, launcher: int, last_store: float,
+            seconds_left: float = float("inf")) -> dict | None:
     up = [t for t in tenures if t.state == "up" and _alive(t.pid())]
     out_now = sum(1 for t in tenures if t.state in ("down", "stopped", "joining", "leaving"))
     free = sorted(k for k, t in slots.items() if t is None)
     now = time.time()
 
     def feasible(kind: str) -> bool:
+        if kind == "kill" and seconds_left < args.restart_seconds:  # its restart would come after the job's end
+            return False
         if kind in ("kill", "stop", "leave"):
             return len(up) > args.min_up and out_now < args.max_out
         if kind == "bad_frames":
@@ -565,6 +571,9 @@ def run_pipeline_job(folder: Path, args: argparse.Namespace, env: dict[str, str]
                     kind = "kill"
                 if kind != "store" and (len(up) <= args.min_up or not up):
                     continue
+                left = (args.rounds - progress) * (now - t0) / max(progress, 1)
+                if kind == "kill" and left < args.restart_seconds:  # its restart would come after the job's end
+                    continue
                 rec = {"i": f["i"], "planned": f["kind"], "kind": kind, "at": now, "end": now, "up": up}
                 if kind == "store":
                     pid = _store_pid(launch.pid)
@@ -753,6 +762,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store-gap", type=float, default=15.0, help="seconds between two store restarts at least")
     p.add_argument("--quiet-rounds", type=int, default=8, help="no fault in the last rounds")
     p.add_argument("--join-rounds", type=int, default=40, help="no join in the last rounds (it takes time to start)")
+    p.add_argument("--restart-seconds", type=float, default=20.0,
+                   help="no kill when the job has less than this left at its pace so far (a restart's time)")
     p.add_argument("--joiner-grace", type=float, default=120.0,
                    help="seconds a joiner may run on after the main launch ended")
     p.add_argument("--max-restarts", type=int, default=1000)
