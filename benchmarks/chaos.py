@@ -214,10 +214,8 @@ def run_job(folder: Path, args: argparse.Namespace, env: dict[str, str], faults:
                     f = pending.pop(0)
                     done = progress()
                     late = done >= args.rounds - args.join_rounds  # a joiner needs time to start
-                    # seconds the job has left at its pace so far: a kill needs a restart's time before the end
-                    left = (args.rounds - done) * (now - t0) / max(done, 1.0)
                     rec = _inject(f, args, tenures, slots, folder, env, None if late else address, launch.pid,
-                                  last_store, left)
+                                  last_store, _seconds_left(args.rounds, done, now - t0))
                     if rec is not None:
                         if rec["kind"] == "store":
                             last_store = rec["at"]
@@ -254,6 +252,12 @@ def run_job(folder: Path, args: argparse.Namespace, env: dict[str, str], faults:
             "tenures": [{"slot": t.slot, "index": t.index, "res": str(t.res), "ckpt": str(t.ckpt),
                          "log": str(t.log()), "state": t.state, "started": t.started,
                          "rc": None if t.proc is None else t.proc.returncode} for t in tenures]}
+
+
+def _seconds_left(rounds: int, done: float, elapsed: float) -> float:
+    """Seconds the job has left at its pace so far (``done`` of ``rounds`` in ``elapsed`` s): a kill needs a
+    restart's time (``--restart-seconds``) before the end, or its restart comes after the store has gone."""
+    return (rounds - done) * elapsed / max(done, 1.0)
 
 
 def _address_from(folder: Path) -> str | None:
@@ -571,8 +575,7 @@ def run_pipeline_job(folder: Path, args: argparse.Namespace, env: dict[str, str]
                     kind = "kill"
                 if kind != "store" and (len(up) <= args.min_up or not up):
                     continue
-                left = (args.rounds - progress) * (now - t0) / max(progress, 1)
-                if kind == "kill" and left < args.restart_seconds:  # its restart would come after the job's end
+                if kind == "kill" and _seconds_left(args.rounds, progress, now - t0) < args.restart_seconds:
                     continue
                 rec = {"i": f["i"], "planned": f["kind"], "kind": kind, "at": now, "end": now, "up": up}
                 if kind == "store":
