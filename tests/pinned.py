@@ -201,6 +201,44 @@ def pretrain_elastic(tmp: str) -> list[Any]:
     return [_pretrain_rows(Path(cfg.out))]
 
 
+# ------------------------------------------------------------------------ uninterrupted runs the fault tests meet
+# A fault test compares its job's final held-out loss with the same job run without the fault. Those clean runs
+# have no fault to wait for and exchange every round, so (one thread per rank) they give the same number on every
+# run: it is pinned here instead of run again by every test (30-40 s each on the 2-core machine). The fault tests
+# allow 2 % against it, far more than the 1e-7 CPUs differ by; a change of behaviour rewrites it with the others.
+
+def clean_elastic_launch(tmp: str) -> float:
+    """``fgdiloco launch`` of ``examples/elastic_gpt.py`` on 4 workers, no fault (the job of
+    ``tests/test_elastic_launch.py``'s restart test): the workers' mean held-out loss."""
+    from tests import test_elastic_launch as t
+
+    out = Path(tmp)
+    t._finish(t._launch(t.tokenizer_env(out / "xdg"), out, "--checkpoint-dir", str(out / "ckpt"), *t.LONGER))
+    results = t._results(out / "res")
+    return sum(w["held_out_loss"] for w in results.values()) / len(results)
+
+
+def clean_pipeline_pretrain(tmp: str) -> float:
+    """``fgdiloco pretrain`` on 2 elastic replicas of 2 stages, no fault (the job of
+    ``tests/test_pretrain_elastic.py``'s killed-stage test): its final held-out loss."""
+    from tests import test_pretrain_elastic as t
+
+    out = Path(tmp)
+    proc = t._start([*t.killed_stage_argv(out / "cache"), "--out", str(out / "run")], out)
+    stdout, stderr = t._finish(proc, 300)
+    if proc.returncode != 0:
+        raise RuntimeError(stdout + stderr)
+    return float(json.loads((out / "run" / "summary.json").read_text())["final_eval_loss"])
+
+
+CLEAN = {"clean_elastic_launch": clean_elastic_launch, "clean_pipeline_pretrain": clean_pipeline_pretrain}
+
+
+def clean_loss(name: str) -> float:
+    """The pinned final held-out loss of the uninterrupted run ``name`` (a key of :data:`CLEAN`)."""
+    return float(json.loads((FIXTURES / f"{name}.json").read_text())["held_out_loss"])
+
+
 RUNS = {"exact": exact, "gossip_lowrank": gossip_lowrank, "pipeline": pipeline, "lightning": lightning,
         "elastic": elastic,
         "pretrain_group": pretrain_group, "pretrain_elastic": pretrain_elastic}
@@ -208,11 +246,13 @@ RUNS = {"exact": exact, "gossip_lowrank": gossip_lowrank, "pipeline": pipeline, 
 
 def main(names: list[str]) -> None:
     FIXTURES.mkdir(parents=True, exist_ok=True)
-    for name in names or list(RUNS):
+    for name in names or [*RUNS, *CLEAN]:
         with tempfile.TemporaryDirectory() as tmp:
-            result = RUNS[name](tmp)
-        (FIXTURES / f"{name}.json").write_text(json.dumps({"run": name, "doc": RUNS[name].__doc__,
-                                                           "workers": result}, indent=1) + "\n")
+            if name in CLEAN:
+                record = {"run": name, "doc": CLEAN[name].__doc__, "held_out_loss": CLEAN[name](tmp)}
+            else:
+                record = {"run": name, "doc": RUNS[name].__doc__, "workers": RUNS[name](tmp)}
+        (FIXTURES / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
         print(f"wrote {FIXTURES / (name + '.json')}")
 
 
