@@ -7,7 +7,16 @@ pseudo-gradients (Mix2), followed by a local Nesterov outer step (Hewa Koneputug
 
 from .config import FGDiLoCoConfig
 from .factor import BF16, Codec, Dense, FrameError, Int8, LowRank, decode_frame, encode_frame, layout_fingerprint
-from .gossip import DistributedTransport, ExchangeError, LocalHub, Membership, Topology, Transport, make_topology
+from .gossip import (
+    DistributedTransport,
+    ExchangeError,
+    LocalHub,
+    Membership,
+    StoreUnreachable,
+    Topology,
+    Transport,
+    make_topology,
+)
 from .mesh import ReplicaMesh
 from .outer import FGDiLoCo, RoundStats
 
@@ -28,6 +37,7 @@ __all__ = [
     "Membership",
     "ReplicaMesh",
     "RoundStats",
+    "StoreUnreachable",
     "Topology",
     "Transport",
     "decode_frame",

@@ -18,8 +18,10 @@ Deadlines are named for what they bound (seconds):
 * ``liveness``: heartbeat silence after which a peer is taken for dead or hung (its partner stops waiting);
 * ``collective_timeout``: one collective of the exact (``"allreduce"``) topology;
 * ``stage_timeout``: one stage-to-stage transfer of a pipeline (:class:`fgdiloco.ReplicaMesh`);
-* ``store_timeout``: how long an elastic worker trains on without gossip while its gossip store is out of reach
-  (it reconnects meanwhile); then it stops with :class:`fgdiloco.elastic.StoreUnreachable`.
+* ``store_timeout``: how long a worker trains on without gossip while its job's store is out of reach; then it
+  stops with :class:`fgdiloco.elastic.StoreUnreachable`. An elastic worker reconnects meanwhile (a restarted
+  store); in a fixed ``torch.distributed`` group the store died with the process that served it (rank 0, or the
+  launcher), so the survivors stop instead of outliving their job.
 
 ``timeout=`` is a shorthand: it sets ``join_timeout``, ``exchange_timeout``, ``collective_timeout`` and
 ``stage_timeout`` (each one not given explicitly), which is what the single ``timeout`` of earlier versions bounded.
@@ -345,8 +347,8 @@ class FGDiLoCoConfig:
                                         unit="s", group="deadlines")
     stage_timeout: float = setting(60.0, Seconds(), "one stage-to-stage transfer of a pipeline", unit="s",
                                    group="deadlines")
-    store_timeout: float = setting(60.0, Seconds(), "how long an elastic worker trains on without gossip while the "
-                                   "gossip store is out of reach; then it stops (StoreUnreachable)", unit="s",
+    store_timeout: float = setting(60.0, Seconds(), "how long a worker trains on without gossip while the job's "
+                                   "store is out of reach; then it stops (StoreUnreachable)", unit="s",
                                    group="deadlines")
     timeout: InitVar[float | None] = None
 

@@ -29,6 +29,7 @@ from fgdiloco.elastic import (
 )
 from fgdiloco.elastic.rejoin import ADOPT_ROUNDS
 from fgdiloco.factor import Dense
+from fgdiloco.gossip.membership import StoreMembership
 from fgdiloco.gossip.mix import Mixer, PeerHealth
 from fgdiloco.gossip.topology import make_topology
 from fgdiloco.gossip.transport import DistributedTransport, PeerDeclined
@@ -189,6 +190,28 @@ def test_a_restarted_store_is_reconnected_and_refilled_and_a_store_gone_for_good
     with pytest.raises(StoreUnreachable, match=rf"the gossip store at 127.0.0.1:{port} has been out of reach"):
         a.membership.check_reachable()
     a.close(), b.close()
+
+
+def test_a_fixed_groups_worker_stops_once_its_store_has_been_gone_for_store_timeout():
+    """A fixed torch.distributed group's store lives in rank 0's process (or the launcher's) and dies with it: a
+    survivor trains on without gossip for store_timeout, then its next round start stops it with one line."""
+    server = GossipStore("127.0.0.1", 0)
+    m = StoreMembership(dist.TCPStore("127.0.0.1", server.port, is_master=False), 1, 3, "fixed", store_timeout=30.0)
+    try:
+        m.before_round(None)  # the store answers: nothing to do
+        server.close()
+        t0 = time.monotonic()
+        while not m.unreachable and time.monotonic() - t0 < 5:  # the next heartbeat finds it gone
+            time.sleep(0.05)
+        assert m.unreachable
+        m.before_round(None)  # away for less than store_timeout: it trains on
+        m.down_since -= 31.0  # as if 31 s had passed since
+        with pytest.raises(StoreUnreachable, match=r"^the job's store \(served by rank 0's process or the launcher: "
+                                                   r"the job has ended\) has been out of reach for 31 s "
+                                                   r"\(store_timeout 30 s\): stopping rank 1$"):
+            m.before_round(None)
+    finally:
+        m.close()
 
 
 def test_an_absent_slot_is_skipped_at_once(store):

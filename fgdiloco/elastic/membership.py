@@ -42,7 +42,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..config import HEARTBEAT_SECONDS, FGDiLoCoConfig
-from ..gossip.membership import StoreMembership
+from ..gossip.membership import StoreMembership, StoreUnreachable
 
 __all__ = ["ElasticMembership", "SlotTaken", "StoreUnreachable"]
 
@@ -51,11 +51,6 @@ log = logging.getLogger("fgdiloco")
 
 class SlotTaken(RuntimeError):
     """Another live process holds this worker's slot (a second process started with an index already in use)."""
-
-
-class StoreUnreachable(RuntimeError):
-    """The gossip store has been out of reach for longer than ``store_timeout``: the worker should checkpoint and
-    stop (``--resume`` continues once a store is back)."""
 
 
 class StoreNotReached(StoreUnreachable, TimeoutError):
@@ -105,14 +100,13 @@ class ElasticMembership(StoreMembership):
         self._serve_lock = threading.Lock()
         self._request = 0  # the sequence number of this worker's newest state request
         self._address = address
-        self.store_timeout = float(store_timeout)
         self._job_keys = dict(job_keys or {})  # key -> value every worker of the job agrees on (re-published)
         self._owner = os.environ.get("TORCHELASTIC_RUN_ID") or secrets.token_hex(8)
         self._last_attempt = 0.0
         #: set on reconnecting: the next round start joins the live round even one round behind
         self.resync = False
         self.round_now = 0  # the round this worker is in (published again to a restarted store)
-        super().__init__(store, rank, world_size, namespace, liveness=liveness)
+        super().__init__(store, rank, world_size, namespace, liveness=liveness, store_timeout=store_timeout)
 
     # ------------------------------------------------------------------ slots and incarnations
     def _make_slots(self, store: dist.Store) -> None:
@@ -278,18 +272,11 @@ class ElasticMembership(StoreMembership):
         with self._lock:
             self._seen.clear()  # heartbeats restart from 0 on a new store
 
-    def too_long_away(self) -> bool:
-        """Whether the store has been out of reach for more than ``store_timeout`` seconds."""
-        return self.down_since is not None and time.monotonic() - self.down_since > self.store_timeout
+    def _store_name(self) -> str:
+        return "the gossip store" + (f" at {self._address[0]}:{self._address[1]}" if self._address else "")
 
-    def check_reachable(self, force: bool = False) -> None:
-        """Raise :class:`StoreUnreachable` once the store has been out of reach for ``store_timeout`` seconds
-        (``force``: now, another stage of this worker's replica found it so)."""
-        if force or self.too_long_away():
-            where = f" at {self._address[0]}:{self._address[1]}" if self._address else ""
-            away = f"{time.monotonic() - self.down_since:.0f} s" if self.down_since is not None else "too long"
-            raise StoreUnreachable(f"the gossip store{where} has been out of reach for {away} (store_timeout "
-                                   f"{self.store_timeout:g} s): stopping this worker")
+    def _who(self) -> str:
+        return "this worker"
 
     def answer_requests(self, store: dist.Store) -> int:
         """Answer the state requests not answered yet (one store read when there are none); returns how many this

@@ -1,6 +1,6 @@
 """Gossip: topologies (who talks to whom), transports (how bytes move), and the mix itself."""
 
-from .membership import Membership, StoreMembership
+from .membership import Membership, StoreMembership, StoreUnreachable
 from .mix import Mixer, MixResult, PeerHealth
 from .topology import (
     TOPOLOGIES,
@@ -30,6 +30,7 @@ __all__ = [
     "RandomTopology",
     "RingTopology",
     "StoreMembership",
+    "StoreUnreachable",
     "Topology",
     "Transport",
     "make_topology",

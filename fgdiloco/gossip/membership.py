@@ -9,7 +9,9 @@ join a running job (:meth:`Membership.before_round`, :meth:`Membership.rejoin`).
   heartbeat counter per worker, bumped every :data:`~fgdiloco.config.HEARTBEAT_SECONDS`; a peer whose counter has not
   moved for ``liveness`` seconds is taken for dead or hung (``SUSPECT_SECONDS`` once another worker saw its
   connections reset, the mark of a dead process); a departure notice (:meth:`leave`) ends every wait for it at once.
-  The set of workers is fixed: nobody joins or comes back.
+  The set of workers is fixed: nobody joins or comes back. The store lives in one of the job's processes (rank 0,
+  or torchrun's agent) and dies with it: a worker whose store has been out of reach for ``store_timeout`` raises
+  :class:`StoreUnreachable` at its next round start instead of training on alone after its job has ended.
 * :class:`fgdiloco.elastic.ElasticMembership`: slots that workers take, leave and take again, on a store that no
   worker hosts (elastic jobs).
 
@@ -33,12 +35,18 @@ import torch.distributed as dist
 from ..config import HEARTBEAT_SECONDS, FGDiLoCoConfig
 from ..runtime import Service
 
-__all__ = ["Membership", "StoreMembership", "StorePool", "SUSPECT_SECONDS"]
+__all__ = ["Membership", "StoreMembership", "StorePool", "StoreUnreachable", "SUSPECT_SECONDS"]
 
 log = logging.getLogger("fgdiloco")
 
 #: Liveness of a peer that another worker already saw reset its connections (a dead process), seconds.
 SUSPECT_SECONDS = 2.0
+
+
+class StoreUnreachable(RuntimeError):
+    """The job's store has been out of reach for longer than ``store_timeout`` (seconds): the worker stops. In an
+    elastic job it checkpoints first (``--resume`` continues once a store is back); in a fixed group the store died
+    with the process that served it, and with it the job."""
 
 
 class StorePool:
@@ -151,13 +159,16 @@ class StoreMembership(Membership):
         rank, world_size: this worker's position and the number of workers.
         namespace: the keys' prefix (unique per job and run).
         liveness: heartbeat silence (seconds) after which a peer is taken for dead or hung.
+        store_timeout: how long (seconds) the worker trains on without gossip while the store is out of reach;
+            then :meth:`before_round` raises :class:`StoreUnreachable`.
     """
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, namespace: str, *,
-                 liveness: float = FGDiLoCoConfig.liveness):
+                 liveness: float = FGDiLoCoConfig.liveness, store_timeout: float = FGDiLoCoConfig.store_timeout):
         super().__init__(rank, world_size)
         self.namespace = namespace
         self.liveness = float(liveness)
+        self.store_timeout = float(store_timeout)
         self.stores = StorePool(store)
         self._seen: dict[int, tuple[int, float]] = {}  # peer -> (heartbeat value, when it last changed)
         self.down_since: float | None = None  # when the store stopped answering (None: it answers)
@@ -207,6 +218,30 @@ class StoreMembership(Membership):
     def unreachable(self) -> bool:
         """Whether the store did not answer this worker's last heartbeat (exchanges are skipped meanwhile)."""
         return self.down_since is not None
+
+    def too_long_away(self) -> bool:
+        """Whether the store has been out of reach for more than ``store_timeout`` seconds."""
+        return self.down_since is not None and time.monotonic() - self.down_since > self.store_timeout
+
+    def _store_name(self) -> str:
+        """How :class:`StoreUnreachable`'s message names the store."""
+        return "the job's store (served by rank 0's process or the launcher: the job has ended)"
+
+    def _who(self) -> str:
+        """How :class:`StoreUnreachable`'s message names the worker that stops."""
+        return f"rank {self.rank}"
+
+    def check_reachable(self, force: bool = False) -> None:
+        """Raise :class:`StoreUnreachable` once the store has been out of reach for ``store_timeout`` seconds
+        (``force``: now, another stage of this worker's replica found it so)."""
+        if force or self.too_long_away():
+            away = f"{time.monotonic() - self.down_since:.0f} s" if self.down_since is not None else "too long"
+            raise StoreUnreachable(f"{self._store_name()} has been out of reach for {away} (store_timeout "
+                                   f"{self.store_timeout:g} s): stopping {self._who()}")
+
+    def before_round(self, outer: Any, agree: Any = None) -> None:
+        """A fixed group has nobody to join: only stop when the store has been away for ``store_timeout``."""
+        self.check_reachable()
 
     def prefix(self, peer: int, key: str) -> str:
         return f"{self.namespace}/{super().prefix(peer, key)}"

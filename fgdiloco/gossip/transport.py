@@ -221,6 +221,8 @@ class DistributedTransport(Transport):
             :attr:`FGDiLoCoConfig.join_timeout`).
         collective_timeout: seconds one collective of the exact topology may take.
         liveness: heartbeat silence (seconds) after which a peer is taken for dead or hung.
+        store_timeout: how long (seconds) a worker trains on without gossip while the group's store is out of
+            reach; then the next round start raises :class:`~fgdiloco.gossip.membership.StoreUnreachable`.
         exact: also build a Gloo group over all members for the exact-average topology (collective: every member
             must construct the transport).
         collective_group: an already-built Gloo group over the same ranks as ``process_group`` to run the exact
@@ -242,11 +244,12 @@ class DistributedTransport(Transport):
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, *, timeout: float | None = None,
                  join_timeout: float | None = None, collective_timeout: float | None = None,
-                 liveness: float | None = None, exact: bool = False,
+                 liveness: float | None = None, store_timeout: float | None = None, exact: bool = False,
                  collective_group: dist.ProcessGroup | None = None, membership: Membership | None = None):
         d = FGDiLoCoConfig.build(**{k: v for k, v in (("timeout", timeout), ("join_timeout", join_timeout),
                                                       ("collective_timeout", collective_timeout),
-                                                      ("liveness", liveness)) if v is not None})
+                                                      ("liveness", liveness), ("store_timeout", store_timeout))
+                                    if v is not None})
         self.join_timeout = d.join_timeout
         self.collective_timeout = d.collective_timeout
         self._pending: dict[tuple[int, str], _Pending] = {}
@@ -284,7 +287,8 @@ class DistributedTransport(Transport):
             self._coll = dist.new_group(self.global_ranks, backend="gloo",
                                         timeout=datetime.timedelta(seconds=self.collective_timeout))
         self.membership = StoreMembership(dist.distributed_c10d._get_default_store(), self.rank, self.world_size,
-                                          f"fgdiloco/{int(nonce.item()):x}", liveness=d.liveness)
+                                          f"fgdiloco/{int(nonce.item()):x}", liveness=d.liveness,
+                                          store_timeout=d.store_timeout)
 
     # ------------------------------------------------------------------ meeting a peer
     def _check_peer(self, peer: int) -> None:

@@ -230,7 +230,7 @@ class FGDiLoCo:
                                          or (dist.is_available() and dist.is_initialized())):
             return transport
         deadlines = dict(join_timeout=c.join_timeout, collective_timeout=c.collective_timeout, liveness=c.liveness,
-                         exact=self._exact)
+                         store_timeout=c.store_timeout, exact=self._exact)
         if mesh is not None:  # the mesh built the stage's group: no new_group here (collective over all)
             built = DistributedTransport(mesh.gossip_group, collective_group=mesh.gossip_group, **deadlines)
         else:

@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--uneven", type=int, default=None,
                    help="ranks >= 1 train on this many samples (rank 0 on --samples), without DistributedSampler")
     p.add_argument("--timeout", type=float, default=30.0, help="FGDiLoCo's gossip timeout")
+    p.add_argument("--store-timeout", type=float, default=None, help="FGDiLoCo's store_timeout (default: its own)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-epochs", type=int, default=1)
     p.add_argument("--max-steps", type=int, default=-1)
@@ -299,14 +300,16 @@ def main(argv: list[str] | None = None) -> None:
     else:
         pipeline = {} if not args.stages else dict(pipeline_stages=args.stages, n_microbatches=args.microbatches,
                                                     pipeline_schedule=args.schedule)
-        codec = {} if args.codec is None else {"codec": args.codec}
+        settings = {} if args.codec is None else {"codec": args.codec}
+        if args.store_timeout is not None:
+            settings["store_timeout"] = args.store_timeout
         if args.codec_arg:
             from fgdiloco.pretrain import activation_codec_for
 
             pipeline["activation_codec"] = activation_codec_for  # called with this rank's stage
         strategy = FGDiLoCoStrategy(sync_every=args.sync_every, topology=args.topology, outer_lr=args.outer_lr,
                                     mix2_rounds=args.mix2_rounds, seed=args.seed, timeout=args.timeout, **pipeline,
-                                    **codec)
+                                    **settings)
     class Die(pl.Callback):
         """Rank ``--die-rank`` exits at once, without clean-up (``--die-by sigterm``: sends itself SIGTERM), when
         global step ``--die-step`` is reached; it prints the time first."""
