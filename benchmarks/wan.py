@@ -57,10 +57,14 @@ from fgdiloco.pretrain.comparison import (
     JOB,
     LABEL,
     METHODS,
+    OUTER_GRID,
+    OUTER_GRID_BASES,
     PEERS,
     STREAMING_GRID,
     compare,
     dead_worker_cost,
+    known_method,
+    outer_variant,
     peer_targets,
     ratio_key,
     row_loss,
@@ -392,6 +396,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-faults", action="store_true", help="with --peers: skip the dead-worker runs")
     ap.add_argument("--grid", action="store_true",
                     help="with --peers: the tuning grid only (torchft DiLoCo and both sides' F/tau/alpha grids)")
+    ap.add_argument("--outer-grid", action="store_true",
+                    help="with --peers: the outer optimizer's grid (lr x momentum, the same for both sides) on each "
+                         "side's best F/tau/alpha setting, and torchft DiLoCo as the target; default 100 Mbit/s; "
+                         "writes wan_peers_outer.json")
     ap.add_argument("--bandwidths", default=None, help="Mbit/s, comma separated (default 10,100,1000)")
     ap.add_argument("--methods", default=None, help=f"comma separated subset of {','.join(METHODS)}")
     ap.add_argument("--steps", type=int, default=None, help="inner steps per worker (token budget)")
@@ -416,10 +424,14 @@ def main(argv: list[str] | None = None) -> int:
         job.update(steps=60)
     if args.steps:
         job["steps"] = args.steps
-    default_bw = ("100" if args.quick else "10,100") if args.peers else ("100" if args.quick else "10,100,1000")
+    default_bw = ("100" if args.quick or args.outer_grid else "10,100") if args.peers else (
+        "100" if args.quick else "10,100,1000")
     bandwidths = [float(x) for x in (args.bandwidths or default_bw).split(",")]
     if args.methods:
         methods = args.methods.split(",")
+    elif args.peers and args.outer_grid:
+        methods = ["torchft-diloco", *(outer_variant(base, lr, mom) for base in OUTER_GRID_BASES
+                                       for lr, mom in OUTER_GRID)]
     elif args.peers and args.grid:
         methods = ["torchft-diloco", *STREAMING_GRID, *FG_GRID]
     elif args.peers:
@@ -429,14 +441,14 @@ def main(argv: list[str] | None = None) -> int:
         methods = (["diloco", "fg-lowrank-r2=1", "localsgd", "ddp"] if args.quick
                    else [m for m in METHODS if m not in PEERS])
     for m in methods:
-        if m not in METHODS:
+        if not known_method(m):
             raise SystemExit(f"unknown method {m!r}; use {', '.join(METHODS)}")
-    faults = [m for m in FAULT_METHODS if args.peers and not args.no_faults]
+    faults = [m for m in FAULT_METHODS if args.peers and not args.no_faults and not args.outer_grid]
     if any("peer" in METHODS[m] for m in methods + faults):
         lighthouse_binary()  # fails early without torchft
     # --peers --quick: torchft's rounds take up to 3 s each on the loaded 2 cores; 15 s would cut its short run
     cap = args.cap_seconds if args.cap_seconds else ((60.0 if args.peers else 15.0) if args.quick else 150.0)
-    stem = "wan_peers" if args.peers else "wan"
+    stem = ("wan_peers_outer" if args.outer_grid else "wan_peers") if args.peers else "wan"
     out_path = Path(args.out) if args.out else RESULTS / (f"{stem}_quick.json" if args.quick else f"{stem}.json")
     runs_dir = Path(args.runs_dir) / (("peers-" if args.peers else "") + ("quick" if args.quick else "full"))
     t_all = time.perf_counter()
@@ -448,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "benchmark": "wan",
         "command": "python -m benchmarks.wan" + (" --peers" if args.peers else "") + (" --quick" if args.quick else "")
-                   + (" --grid" if args.grid else "")
+                   + (" --grid" if args.grid else "") + (" --outer-grid" if args.outer_grid else "")
                    + (f" --bandwidths {args.bandwidths}" if args.bandwidths else "")
                    + (f" --methods {args.methods}" if args.methods else ""),
         "job": job, "workers": job["workers"], "methods": {m: METHODS[m] for m in methods}, "code": code,
@@ -562,6 +574,8 @@ def main(argv: list[str] | None = None) -> int:
 def reanalyse(path: Path) -> int:
     """Recompute the comparison (tables, targets, plot) of a finished wan.json from its measured curves."""
     result = json.loads(path.read_text())
+    for r in result["runs"]:
+        known_method(r["method"])  # outer-optimizer variants: registered by name
     bandwidths = result["bandwidths_mbit"]
     result["table"] = compare(result["runs"], bandwidths)
     result["targets_100mbit"] = targets(result["table"])

@@ -16,12 +16,14 @@ benchmarks:
 
 from __future__ import annotations
 
+import re
 import statistics
 from typing import Any
 
-__all__ = ["DIED_EXIT_CODE", "FAMILY", "FG_GRID", "JOB", "LABEL", "LOOSE", "METHODS", "PEERS", "PEER_DEFAULTS",
-           "STREAMING_GRID", "check_peer", "compare", "crossing", "dead_worker_cost", "loss_at", "peer_targets",
-           "ratio_key", "row_loss", "targets"]
+__all__ = ["DIED_EXIT_CODE", "FAMILY", "FG_GRID", "JOB", "LABEL", "LOOSE", "METHODS", "OUTER_GRID",
+           "OUTER_GRID_BASES", "PEERS", "PEER_DEFAULTS", "STREAMING_GRID", "base_method", "check_peer", "compare",
+           "crossing", "dead_worker_cost", "known_method", "loss_at", "outer_variant", "peer_targets", "ratio_key",
+           "row_loss", "targets"]
 
 #: The job every method of ``benchmarks/wan.py`` runs (TrainConfig fields): also the "real GPT" whose codec bytes
 #: ``fgdiloco simulate`` measures, and the run shape of the measured runs its model is validated against.
@@ -79,6 +81,12 @@ FG_GRID = ("fg-lowrank-r2=1", "fg-stream-f2", "fg-stream-f2-t2", "fg-stream-f2-a
 STREAMING_GRID = ("torchft-streaming", "torchft-streaming-f2", "torchft-streaming-f2-t2", "torchft-streaming-f2-a0.5")
 #: the methods --peers adds to the default set
 PEERS = ("torchft-diloco", "torchft-streaming")
+#: --outer-grid: (outer lr, outer momentum) points run for each side's best setting of the F/tau/alpha grid (the
+#: Nesterov SGD outer optimizer of both sides; the job's own setting is (0.7, 0.3))
+OUTER_GRID = ((0.5, 0.3), (0.7, 0.3), (0.9, 0.3), (0.5, 0.6), (0.7, 0.6), (0.9, 0.6), (0.5, 0.9), (0.7, 0.9),
+              (0.9, 0.9))
+#: the settings whose outer optimizer --outer-grid varies (each side's best F/tau/alpha point of the --grid run)
+OUTER_GRID_BASES = ("fg-stream-f2-t2", "torchft-streaming-f2-t2")
 FAMILY = {"ddp": "ddp", "diloco": "diloco", "localsgd": "localsgd", "torchft-diloco": "torchft",
           **{m: "torchft" for m in STREAMING_GRID}}
 LABEL = {"ddp": "DDP (per step)", "diloco": "DiLoCo", "localsgd": "post-local SGD (PyTorch)",
@@ -92,6 +100,39 @@ LABEL = {"ddp": "DDP (per step)", "diloco": "DiLoCo", "localsgd": "post-local SG
          "torchft-streaming-f2": "torchft Streaming DiLoCo (F=2)",
          "torchft-streaming-f2-t2": "torchft Streaming DiLoCo (F=2, tau=2)",
          "torchft-streaming-f2-a0.5": "torchft Streaming DiLoCo (F=2, alpha=0.5)"}
+
+
+def outer_variant(base: str, lr: float, momentum: float) -> str:
+    """Register (in :data:`METHODS`, :data:`LABEL`, :data:`FAMILY`) the method ``base`` with the outer optimizer's
+    learning rate ``lr`` and Nesterov momentum ``momentum``, named ``"<base>@olr<lr>-om<momentum>"``; returns the
+    name. It belongs to the same side's grid as ``base`` (:func:`peer_targets`).
+
+    Raises:
+        KeyError: ``base`` is not a method.
+    """
+    name = f"{base}@olr{lr:g}-om{momentum:g}"
+    METHODS[name] = {**METHODS[base], "outer_lr": lr, "outer_momentum": momentum}
+    LABEL[name] = f"{LABEL[base]}, outer lr {lr:g}, momentum {momentum:g}"
+    if base in FAMILY:
+        FAMILY[name] = FAMILY[base]
+    return name
+
+
+def known_method(name: str) -> bool:
+    """Whether ``name`` is a method; an outer-optimizer variant of a method (``"<base>@olr<lr>-om<momentum>"``, as
+    :func:`outer_variant` names them) is registered on the way."""
+    if name in METHODS:
+        return True
+    base, _, suffix = name.partition("@")
+    point = re.fullmatch(r"olr(\d+(?:\.\d+)?)-om(\d+(?:\.\d+)?)", suffix)
+    return base in METHODS and point is not None and outer_variant(base, float(point[1]), float(point[2])) == name
+
+
+def base_method(name: str) -> str:
+    """The F/tau/alpha setting a method is a variant of (``name`` less its ``@...`` outer-optimizer suffix)."""
+    return name.split("@", 1)[0]
+
+
 #: exit code of the worker killed on purpose (the orchestrator does not count it as a failure)
 DIED_EXIT_CODE = 17
 
@@ -267,8 +308,9 @@ def targets(table: dict[str, Any]) -> dict[str, Any]:
 
 
 def _best(methods: dict[str, Any], grid: tuple[str, ...]) -> str | None:
-    """The method of ``grid`` soonest to the target (wall seconds); None when none of them ran or reached it."""
-    ran = [m for m in grid if m in methods and methods[m]["seconds_to_target"] is not None]
+    """The method of ``grid`` (or an outer-optimizer variant of one, :func:`outer_variant`) soonest to the target
+    (wall seconds); None when none of them ran or reached it."""
+    ran = [m for m in methods if base_method(m) in grid and methods[m]["seconds_to_target"] is not None]
     return min(ran, key=lambda m: methods[m]["seconds_to_target"]) if ran else None
 
 
@@ -286,7 +328,7 @@ def peer_targets(peers_table: dict[str, Any]) -> dict[str, Any]:
             continue
         ms = t["methods"]
         fg, st = _best(ms, FG_GRID), _best(ms, STREAMING_GRID)
-        if fg is None and not any(m in ms for m in FG_GRID):
+        if fg is None and not any(base_method(m) in FG_GRID for m in ms):
             continue
         f = ms[fg] if fg else None
         s = ms[st] if st else None
@@ -314,8 +356,8 @@ def peer_targets(peers_table: dict[str, Any]) -> dict[str, Any]:
                 and f["utilisation"] >= 0.97,
                 "fg_bytes_vs_streaming": bytes_ratio,
                 "fg_bytes_le_0.5": bytes_ratio is not None and bytes_ratio <= 0.5,
-                "utilisation": {m: ms[m]["utilisation"] for m in FG_GRID + STREAMING_GRID + ("torchft-diloco",)
-                                if m in ms},
+                "utilisation": {m: ms[m]["utilisation"] for m in ms
+                                if base_method(m) in FG_GRID + STREAMING_GRID + ("torchft-diloco",)},
             })
         out[f"{bw}mbit"] = row
         out["evaluated"] = True
