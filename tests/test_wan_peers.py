@@ -10,12 +10,19 @@ import math
 import pytest
 
 from fgdiloco.pretrain.comparison import (
+    FAMILY,
+    LABEL,
     METHODS,
+    OUTER_GRID,
+    OUTER_GRID_BASES,
     PEER_DEFAULTS,
     PEERS,
+    base_method,
     check_peer,
     compare,
     dead_worker_cost,
+    known_method,
+    outer_variant,
     peer_targets,
     ratio_key,
 )
@@ -177,6 +184,27 @@ def test_compare_against_torchft_and_the_targets():
     assert not tg["fg_utilisation_ge_0.97"] and tg["fg_bytes_vs_streaming"] is None
     assert peer_targets({}) == {"evaluated": False}
     assert ratio_key("diloco") in compare(runs, [100.0])["100"]["methods"]["fg-lowrank-r2=1"]
+
+
+def test_outer_optimizer_variants_are_named_registered_and_count_as_their_sides_setting():
+    name = outer_variant("fg-stream-f2-t2", 0.5, 0.9)
+    assert name == "fg-stream-f2-t2@olr0.5-om0.9" and base_method(name) == "fg-stream-f2-t2"
+    assert METHODS[name] == {**METHODS["fg-stream-f2-t2"], "outer_lr": 0.5, "outer_momentum": 0.9}
+    assert LABEL[name].endswith(", outer lr 0.5, momentum 0.9")
+    assert known_method("torchft-streaming-f2-t2@olr0.9-om0.6")  # registered by its name (a reanalysed run)
+    assert METHODS["torchft-streaming-f2-t2@olr0.9-om0.6"]["peer"] == METHODS["torchft-streaming-f2-t2"]["peer"]
+    assert FAMILY["torchft-streaming-f2-t2@olr0.9-om0.6"] == "torchft"
+    assert not known_method("nope@olr0.5-om0.9") and not known_method("fg-stream-f2-t2@lr0.5")
+    assert {outer_variant(b, lr, m) for b in OUTER_GRID_BASES for lr, m in OUTER_GRID} <= set(METHODS)
+    runs = [_run("torchft-diloco", [7, 6, 5, 4], [0, 10, 20, 30]),
+            _run("torchft-streaming-f2-t2@olr0.7-om0.3", [7, 6, 5, 4], [0, 9, 18, 27]),
+            _run("torchft-streaming-f2-t2@olr0.5-om0.6", [7, 5, 4, 3.9], [0, 8, 16, 24]),
+            _run("fg-stream-f2-t2@olr0.7-om0.3", [7, 6, 5, 4], [0, 8, 16, 24], util=0.9),
+            _run("fg-stream-f2-t2@olr0.9-om0.6", [7, 5, 4, 3.8], [0, 6, 12, 18], util=0.9)]
+    tg = peer_targets(compare(runs, [100.0], "torchft-diloco"))["100mbit"]
+    assert (tg["fg_best"], tg["streaming_best"]) == ("fg-stream-f2-t2@olr0.9-om0.6",
+                                                     "torchft-streaming-f2-t2@olr0.5-om0.6")
+    assert math.isclose(tg["fg_vs_streaming"], 12 / 16)
 
 
 def test_peer_targets_take_each_sides_best_setting():
