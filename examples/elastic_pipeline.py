@@ -50,7 +50,10 @@ opt = FGDiLoCo(stage, torch.optim.AdamW(stage.parameters(), lr=3e-3), sync_every
 ckpt = Path(args.checkpoint_dir) / f"worker{worker}.stage{mesh.stage}.pt" if args.checkpoint_dir else None
 if ckpt is not None and ckpt.exists():  # a restart: this stage's own checkpoint, then the replica rejoins
     opt.load_state_dict(torch.load(ckpt, weights_only=False))
-batches = torch.Generator().manual_seed(1000 * worker + opt.round)  # the replica's stages read the same batches
+# The stages' checkpoints can be a round apart (a death between two stages' saves): the replica's stages first enter
+# the same round (the live one, collectively), then seed their data from it, so that they read the same batches
+opt.rejoin()
+batches = torch.Generator().manual_seed(1000 * worker + opt.round)  # each stage draws one batch per step
 losses = []
 while opt.round < args.rounds:
     if (args.crash_worker, args.crash_stage, args.crash_round) == (worker, mesh.stage, opt.round) and life == 0:

@@ -293,6 +293,7 @@ class ElasticFGDiLoCo(FGDiLoCoSync):
         Raises:
             ValueError: the checkpoint belongs to another run or worker.
         """
+        self._batches = batches
         if not self.checkpoint.is_file():
             return None
         state = torch.load(self.checkpoint, map_location="cpu", weights_only=False)
@@ -355,3 +356,14 @@ class ElasticPipelineStage(_Pipelined, ElasticFGDiLoCo):
                                  run_id=run_id, worker=worker, checkpoint_every=checkpoint_every, mesh=mesh,
                                  layout=layout)
         self._init_pipeline(mesh, microbatches)
+
+    def start(self) -> int:
+        """Join the live round with the replica's other stages (:meth:`ElasticFGDiLoCo.start`), then take the first
+        stage's batch generator (collective over the replica's stages): their checkpoints can be a round apart (a
+        death between two stages' saves), and stages that draw different batches train on inputs that do not
+        match their targets (seen in ``benchmarks.chaos --pipeline``: a replica stuck at the loss of chance)."""
+        step = super().start()
+        state = self._batches.generator.get_state()
+        dist.broadcast(state, group=self.mesh.pipeline_group, group_src=0)
+        self._batches.generator.set_state(state)
+        return step
