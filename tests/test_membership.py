@@ -33,7 +33,7 @@ from fgdiloco.gossip.membership import StoreMembership
 from fgdiloco.gossip.mix import Mixer, PeerHealth
 from fgdiloco.gossip.topology import make_topology
 from fgdiloco.gossip.transport import DistributedTransport, PeerDeclined
-from fgdiloco.runtime import Background, drain_background
+from fgdiloco.runtime import Background, drain_background, running_background
 
 
 @pytest.fixture(autouse=True)
@@ -212,6 +212,20 @@ def test_a_fixed_groups_worker_stops_once_its_store_has_been_gone_for_store_time
             m.before_round(None)
     finally:
         m.close()
+
+
+def test_closing_with_an_exchange_prepared_for_an_empty_slot_ends_its_set_up(store, caplog):
+    """A set-up still waiting for a hello that never comes (an empty slot's, prepared for the round after the last)
+    ends when the transport closes: left running into interpreter exit it aborted the worker (exit -6), which
+    torchrun took for a death and restarted."""
+    a = _transport(store, 0, 3)
+    a.prepare(2, key="mix1/0/80")  # slot 2 never had a worker
+    assert "prepare mix1/0/80 with rank 2" in running_background()
+    t0 = time.monotonic()
+    a.close()
+    assert time.monotonic() - t0 < 1.0
+    assert "prepare mix1/0/80 with rank 2" not in running_background()  # ended, not forsaken
+    assert "still inside Gloo" not in caplog.text
 
 
 def test_an_absent_slot_is_skipped_at_once(store):

@@ -441,17 +441,25 @@ class DistributedTransport(Transport):
             return store.add(f"{self.membership.prefix(peer, key)}/abandoned/{peer}", 0) > 0
 
     def close(self) -> None:
-        """Let every exchange being set up finish, each for at most its join deadline, and release it; stop the
-        membership's heartbeat. Runs before exit (``FGDiLoCo.close``, also called at exit). A pair group whose peer
-        died between agreeing to meet and connecting can leave Gloo's listening side waiting past the group's
-        timeout (seen with torch 2.13): that set-up is left to the process's exit, not waited for."""
+        """Give up every exchange being set up and release it; stop the membership's heartbeat. Runs before exit
+        (``FGDiLoCo.close``, also called at exit). A set-up still waiting for its peer's hello ends at its next look
+        (the peer's open is declined); one whose peer had committed builds its group (the peer is there), waited
+        for at most its join deadline. A pair group whose peer died between agreeing to meet and connecting can
+        leave Gloo's listening side waiting past the group's timeout (seen with torch 2.13): that set-up is left to
+        the process's exit, not waited for.
+
+        A thread left polling the store for a hello that never comes (an empty slot's, at the last round) was
+        forsaken here; still running at interpreter exit, it aborted the process ("terminate called without an
+        active exception", exit -6), which torchrun counted as a death and restarted."""
         with self._pending_lock:
             pending, self._pending = list(self._pending.items()), {}
+        for _, p in pending:
+            p.cancel.set()
         for (peer, _), p in pending:
             if p.job is None:
                 continue
-            try:  # a peer that is gone will not connect: its set-up is not waited for
-                bound = 0.0 if self.membership.gone(peer, time.monotonic()) else self.join_timeout + 1.0
+            try:  # a peer that is gone will not connect: only the hello loop's next look is waited for
+                bound = 2 * _HELLO_POLL[1] if self.membership.gone(peer, time.monotonic()) else self.join_timeout + 1.0
             except Exception:  # noqa: BLE001 - a store that is gone: the set-up ends by its own deadline
                 bound = self.join_timeout + 1.0
             if not p.job.wait(bound):
