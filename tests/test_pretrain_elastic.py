@@ -290,29 +290,29 @@ def test_an_interrupted_elastic_run_is_summarised_with_its_restarts_and_rejoins(
 PIPE = ("--workers", "4", "--stages", "2", "--n-layer", "2", *TINY[2:])  # 2 replicas x 2 stages, a block each
 
 
-def _stage_start(rank: int, world: int) -> list[int]:
+def _stage_restore(rank: int, world: int) -> list[int]:
     import types
 
     import torch.distributed as dist
 
     from fgdiloco.pretrain.sync import ElasticFGDiLoCo, ElasticPipelineStage
 
-    ElasticFGDiLoCo.start = lambda self: 40  # (this forked rank only) the replica entered round 20 of H = 2
+    ElasticFGDiLoCo.restore = lambda self, *args: 20  # (this forked rank only) its own checkpoint's round
     stage = object.__new__(ElasticPipelineStage)
     stage.mesh = types.SimpleNamespace(pipeline_group=dist.group.WORLD)
     # the stages' checkpoints were a round apart: their batch generators are in different states
-    stage._batches = types.SimpleNamespace(generator=torch.Generator().manual_seed(7 + rank))
-    assert stage.start() == 40
-    return torch.randint(0, 10**6, (5,), generator=stage._batches.generator).tolist()
+    batches = types.SimpleNamespace(generator=torch.Generator().manual_seed(7 + rank))
+    assert stage.restore(batches, None) == 20
+    return torch.randint(0, 10**6, (5,), generator=batches.generator).tolist()
 
 
 def test_a_restarted_replicas_stages_draw_the_same_batches_whatever_their_checkpoints(tmp_path):
-    """At start every stage of a replica takes the first stage's batch generator: stages whose checkpoints were a
+    """On restoring, every stage of a replica takes the first stage's batch generator: stages whose checkpoints were a
     round apart drew different batches for good, inputs that did not match the last stage's targets (a replica of
     the pipeline chaos run stayed at the loss of chance for 230 rounds)."""
     from fgdiloco.testing import run_ranks
 
-    draws = run_ranks(_stage_start, 2, tmp_path)
+    draws = run_ranks(_stage_restore, 2, tmp_path)
     assert draws[0] == draws[1] == torch.randint(0, 10**6, (5,), generator=torch.Generator().manual_seed(7)).tolist()
 
 

@@ -362,13 +362,24 @@ class DistributedTransport(Transport):
         if pending is None or pending.job is None:
             self.decline(peer, key=key)
             return
+        self._release(peer, pending)
+
+    def _release(self, peer: int, pending: _Pending) -> bool:
+        """Give up a set-up (:meth:`discard`, :meth:`close`): a set-up still waiting for the peer's hello ends at
+        its next look (the peer's open is declined); one whose peer had committed builds its group, which is
+        dropped. It is waited for while the peer may still come; one inside Gloo with a peer that is gone is left
+        to Gloo's own deadline (forsaken). Returns whether it ended."""
         pending.cancel.set()
+        if pending.job is None:
+            return True
         since = time.monotonic()
         while not pending.job.wait(_HELLO_POLL[1]):  # whatever it ends with, the exchange is not used
-            if self._never_ends_soon(peer, since):  # its Gloo set-up waits for a dead peer: its deadline ends it
+            # after two looks of the hello loop, what still runs is inside Gloo
+            if time.monotonic() - since > 2 * _HELLO_POLL[1] and self._never_ends_soon(peer, since):
                 pending.job.forsake()
-                return
+                return False
         pending.job.settle()
+        return True
 
     def _never_ends_soon(self, peer: int, since: float) -> bool:
         """Whether a set-up with ``peer`` still running is inside Gloo waiting for a peer that is gone (or whose
@@ -442,28 +453,19 @@ class DistributedTransport(Transport):
 
     def close(self) -> None:
         """Give up every exchange being set up and release it; stop the membership's heartbeat. Runs before exit
-        (``FGDiLoCo.close``, also called at exit). A set-up still waiting for its peer's hello ends at its next look
-        (the peer's open is declined); one whose peer had committed builds its group (the peer is there), waited
-        for at most its join deadline. A pair group whose peer died between agreeing to meet and connecting can
-        leave Gloo's listening side waiting past the group's timeout (seen with torch 2.13): that set-up is left to
-        the process's exit, not waited for.
+        (``FGDiLoCo.close``, also called at exit), each set-up released as :meth:`discard` does (:meth:`_release`).
+        A pair group whose peer died between agreeing to meet and connecting can leave Gloo's listening side waiting
+        past the group's timeout (seen with torch 2.13): that set-up is left to the process's exit, not waited for.
 
         A thread left polling the store for a hello that never comes (an empty slot's, at the last round) was
         forsaken here; still running at interpreter exit, it aborted the process ("terminate called without an
         active exception", exit -6), which torchrun counted as a death and restarted."""
         with self._pending_lock:
             pending, self._pending = list(self._pending.items()), {}
-        for _, p in pending:
+        for _, p in pending:  # every hello loop stops at once, not one after the other
             p.cancel.set()
         for (peer, _), p in pending:
-            if p.job is None:
-                continue
-            try:  # a peer that is gone will not connect: only the hello loop's next look is waited for
-                bound = 2 * _HELLO_POLL[1] if self.membership.gone(peer, time.monotonic()) else self.join_timeout + 1.0
-            except Exception:  # noqa: BLE001 - a store that is gone: the set-up ends by its own deadline
-                bound = self.join_timeout + 1.0
-            if not p.job.wait(bound):
-                p.job.forsake()
+            if not self._release(peer, p):
                 log.warning("fgdiloco rank %d: %s is still inside Gloo; not waiting for it", self.rank, p.job.what)
         super().close()
 

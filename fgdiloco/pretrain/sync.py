@@ -293,7 +293,6 @@ class ElasticFGDiLoCo(FGDiLoCoSync):
         Raises:
             ValueError: the checkpoint belongs to another run or worker.
         """
-        self._batches = batches
         if not self.checkpoint.is_file():
             return None
         state = torch.load(self.checkpoint, map_location="cpu", weights_only=False)
@@ -357,13 +356,13 @@ class ElasticPipelineStage(_Pipelined, ElasticFGDiLoCo):
                                  layout=layout)
         self._init_pipeline(mesh, microbatches)
 
-    def start(self) -> int:
-        """Join the live round with the replica's other stages (:meth:`ElasticFGDiLoCo.start`), then take the first
-        stage's batch generator (collective over the replica's stages): their checkpoints can be a round apart (a
-        death between two stages' saves), and stages that draw different batches train on inputs that do not
-        match their targets (seen in ``benchmarks.chaos --pipeline``: a replica stuck at the loss of chance)."""
-        step = super().start()
-        state = self._batches.generator.get_state()
+    def restore(self, batches: Batches, clock: Clock, start_round: int = 0, first_life: bool = True) -> int | None:
+        """:meth:`ElasticFGDiLoCo.restore`, then every stage takes the first stage's batch generator (collective
+        over the replica's stages): their checkpoints can be a round apart (a death between two stages' saves), and
+        stages that draw different batches train on inputs that do not match their targets (seen in
+        ``benchmarks.chaos --pipeline``: a replica stuck at the loss of chance)."""
+        resumed = super().restore(batches, clock, start_round, first_life)
+        state = batches.generator.get_state()
         dist.broadcast(state, group=self.mesh.pipeline_group, group_src=0)
-        self._batches.generator.set_state(state)
-        return step
+        batches.generator.set_state(state)
+        return resumed
