@@ -82,10 +82,11 @@ def test_a_worker_killed_from_outside_is_restarted_and_rejoins_while_the_others_
     assert summary["restarts"] == 1 and summary["rejoins"] >= 1 and summary["workers_lost"] == []
     assert summary["rounds"] == summary["rounds_planned"] == steps // h and summary["steps"] == steps
     assert summary["interrupted"] is False and summary["stopped_early"] is False
-    # worker 3's new life joins the job (the first round its peers start after its restart); on a loaded machine
-    # its rounds can leave it 3 rounds behind (before the kill too), and it catches up: only worker 3 rejoins,
-    # always forward, and its second life does
-    assert {e["worker"] for e in summary["rejoin_events"]} == {3}
+    # worker 3's new life joins the job (the first round its peers start after its restart). On a loaded machine
+    # any worker's first life may join too: one that starts a moment after its peers finished round 0 enters at
+    # round 1, and one whose rounds leave it 3 rounds behind catches up. Every rejoin is forward, and the only
+    # second life is worker 3's
+    assert {e["worker"] for e in summary["rejoin_events"] if e["life"] > 0} == {3}
     assert all(e["round"] > e["from_round"] for e in summary["rejoin_events"])
     event = next(e for e in summary["rejoin_events"] if e["life"] == 1)
     # it continued from its newest checkpoint (every 2 rounds; it had reported round 10 or a little later)
@@ -340,15 +341,18 @@ def test_a_killed_stage_restarts_its_replica_which_rejoins_while_the_other_repli
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, stdout + stderr
-    assert "1 worker restart(s), 1 rejoin(s)" in stdout and "Traceback" not in stderr
+    assert "1 worker restart(s), " in stdout and "Traceback" not in stderr
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["restarts"] == 1 and summary["rejoins"] == 1 and summary["workers_lost"] == []
+    assert summary["restarts"] == 1 and summary["rejoins"] >= 1 and summary["workers_lost"] == []
     assert summary["rounds"] == summary["rounds_planned"] == steps // h and summary["interrupted"] is False
     assert summary["activation_bytes_sent"] > 0 and 0 < summary["pipeline_bubble"] < 1
     # the replica restarted as a whole: both of its stage processes had a second life; replica 0 had one
     assert sorted(e["restart"] for e in _lives(out, 1)) == [0, 0, 1, 1]
     assert sorted(e["restart"] for e in _lives(out, 0)) == [0, 0]
-    (event,) = summary["rejoin_events"]
+    # (a first life may join too: started a moment after its peers finished round 0, or fallen behind on a loaded
+    # machine; every rejoin is forward)
+    assert all(e["round"] > e["from_round"] for e in summary["rejoin_events"])
+    (event,) = [e for e in summary["rejoin_events"] if e["life"] > 0]
     assert event["worker"] == 1 and event["life"] == 1 and event["round"] > event["from_round"] >= 8
     if event["round"] - event["from_round"] >= ADOPT_ROUNDS:  # its checkpoints were old: both stages adopted
         log1 = (out / "logs" / "worker1.log").read_text(errors="replace")
