@@ -277,11 +277,11 @@ def test_an_elastic_pipeline_replica_that_loses_a_stage_restarts_whole_and_a_hun
                                                                                                       tmp_path):
     """fgdiloco launch --stages 2: each replica is one torchrun job of its 2 stages. Stage 1 of replica 1 dies at
     round 5: torchrun restarts both of its stages (a fresh process group: init_replica_group), they resume from their
-    checkpoints. Later stage 0 of replica 0 is SIGSTOPped for 8 s (hung, longer than the 5 s liveness) and
-    continued: nobody is restarted or waits out a deadline, replica 1 goes on within a few seconds of the hang's
-    end (its stage 0 skips the hung stage after the liveness; its stage 1's partner, replica 0's stage 1, still
-    beats while it waits for its hung stage 0, so that exchange waits for the hang to end, at most
-    ``join_timeout``: docs/faults.md), and both replicas finish every round."""
+    checkpoints. Later stage 0 of replica 0 is SIGSTOPped for 11 s (hung, longer than the 5 s liveness) and
+    continued: nobody is restarted or waits out a deadline, and replica 1 trains on during the hang, after the
+    liveness: its stage 0 skips the hung stage, and its stage 1 skips replica 0's stage 1, which still beats while
+    it waits for its hung stage 0 (a peer whose replica has a silent stage is gone: docs/faults.md). Both replicas
+    finish every round."""
     script = str(ROOT / "examples" / "elastic_pipeline.py")
     rounds = 60
     cmd = [sys.executable, "-m", "fgdiloco", "launch", "--workers", "2", "--stages", "2", "--max-restarts", "2",
@@ -296,7 +296,7 @@ def test_an_elastic_pipeline_replica_that_loses_a_stage_restarts_whole_and_a_hun
         pid = _stage_pids(tmp_path / "logs" / "worker0.lives")[0]
         stopped = time.time()
         os.kill(pid, signal.SIGSTOP)
-        while time.time() - stopped < 8:
+        while time.time() - stopped < 11:
             time.sleep(0.2)
         os.kill(pid, signal.SIGCONT)
         resumed = time.time()
@@ -308,8 +308,9 @@ def test_an_elastic_pipeline_replica_that_loses_a_stage_restarts_whole_and_a_hun
     assert {k: (r["life"], r["round"]) for k, r in res.items()} == {
         (0, 0): (0, rounds), (0, 1): (0, rounds), (1, 0): (1, rounds), (1, 1): (1, rounds)}
     assert res[(0, 0)]["rejoins"] == res[(0, 1)]["rejoins"]  # the hung replica's stages stay together
-    after = [t for _, t in _stage_rounds(tmp_path, 1, 0) if t > resumed]
-    assert after and after[0] < resumed + 4.0, (resumed, after[:3])  # replica 1 went on at the hang's end
+    for stage in range(2):  # replica 1 went on during the hang, once the liveness (5 s) had passed
+        during = [t - stopped for _, t in _stage_rounds(tmp_path, 1, stage) if stopped + 5.0 < t < resumed]
+        assert during, (stage, [round(t - stopped, 1) for _, t in _stage_rounds(tmp_path, 1, stage)][-30:])
     logs = _log(tmp_path, 0) + _log(tmp_path, 1)
     # no exchange or stage transfer waited out its deadline (fgdiloco's own messages; c10d's socket warnings from
     # a given-up exchange's set-up thread in the background are not training time)

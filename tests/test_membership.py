@@ -32,7 +32,7 @@ from fgdiloco.factor import Dense
 from fgdiloco.gossip.membership import StoreMembership
 from fgdiloco.gossip.mix import Mixer, PeerHealth
 from fgdiloco.gossip.topology import make_topology
-from fgdiloco.gossip.transport import DistributedTransport, PeerDeclined
+from fgdiloco.gossip.transport import DistributedTransport, PeerDeclined, PeerGone
 from fgdiloco.runtime import Background, drain_background, running_background
 
 
@@ -235,6 +235,30 @@ def test_an_absent_slot_is_skipped_at_once(store):
         a.open(2, key="k", timeout=10.0)
     assert time.monotonic() - t0 < 1.0
     a.close()
+
+
+def test_a_peer_whose_replica_has_a_hung_stage_is_gone_after_liveness_though_its_own_heartbeat_beats(store):
+    """2 pipeline replicas x 2 stages, each stage gossiping in its own job. Replica 0's stage 0 hangs (its heartbeat
+    stops); its stage 1 still beats (blocked in the pipeline, it never comes to its exchange). Replica 1's stage 1
+    gives that exchange up after ``liveness`` because of the sibling's silence, instead of waiting for the hang
+    (up to ``join_timeout``); without the siblings it would have waited for the whole hang."""
+    jobs = ["fgdiloco/p.stage0", "fgdiloco/p.stage1"]
+
+    def stage(replica: int, s: int) -> ElasticMembership:
+        return ElasticMembership(_client(store), replica, 2, jobs[s], liveness=1.0,
+                                 siblings=[j for j in jobs if j != jobs[s]])
+
+    hung, blocked = stage(0, 0), stage(0, 1)
+    mine = DistributedTransport(membership=stage(1, 1), join_timeout=10.0, liveness=1.0)
+    assert mine.membership.gone(0, time.monotonic()) is None  # every stage of replica 0 beats
+    hung.close()  # SIGSTOP: no more heartbeats, no departure notice
+    t0 = time.monotonic()
+    with pytest.raises(PeerGone, match=r"its replica's p\.stage0 has had no heartbeat for 1\.\d s"):
+        mine.open(0, key="mix2/r3", timeout=10.0)
+    assert 1.0 <= time.monotonic() - t0 < 4.0  # liveness (1 s), not join_timeout (10 s)
+    with mine.membership.stores.lease() as client:  # by its own heartbeat the peer is alive: without the
+        assert mine.membership._gone(client, 0, t0) is None  # sibling it would be waited for as a late peer
+    mine.close(), blocked.close()
 
 
 def test_a_restarted_peer_gets_new_keys_and_its_old_exchange_ends_at_once(store):

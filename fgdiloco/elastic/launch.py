@@ -95,8 +95,8 @@ def settings(address: str | None = None, worker: int | None = None, workers: int
 def connect(address: str | None = None, worker: int | None = None, workers: int | None = None, *,
             job: str | None = None, min_workers: int | None = None, timeout: float = FGDiLoCoConfig.join_timeout,
             liveness: float = FGDiLoCoConfig.liveness, store_timeout: float = FGDiLoCoConfig.store_timeout,
-            wait: float | None = None, fingerprint: bytes | None = None,
-            secret: bytes | None = None) -> DistributedTransport:
+            wait: float | None = None, fingerprint: bytes | None = None, secret: bytes | None = None,
+            sibling_jobs: Sequence[str] = ()) -> DistributedTransport:
     """Join the elastic job on its gossip store; returns this worker's transport, over an
     :class:`~fgdiloco.elastic.ElasticMembership` of its slot (``FGDiLoCo(elastic=True)`` calls it with its
     settings and its model's layout fingerprint). ``timeout``: seconds to reach the store and for each exchange's
@@ -109,7 +109,9 @@ def connect(address: str | None = None, worker: int | None = None, workers: int 
     worker that finds the job past round 0, a restart or a late joiner, does not wait: after a restart of the store
     the slots of workers that finished, left or are down meanwhile never count as joined again); after
     that they start without the missing slots (a warning names them; those slots join later, or never: their
-    exchanges are skipped at once).
+    exchanges are skipped at once). ``sibling_jobs``: for a stage of an elastic pipeline replica (each stage
+    gossips in a job of its own, ``<job>.stage<s>``), the jobs of its replica's other stages, whose heartbeats
+    count for a peer's liveness (a hung stage holds its whole replica).
 
     Raises:
         ValueError / TypeError: a setting missing or out of range (see :func:`settings`).
@@ -131,7 +133,7 @@ def connect(address: str | None = None, worker: int | None = None, workers: int 
     keys = _admit(store, str(s["job"]), int(s["workers"]), fingerprint, secret)
     membership = ElasticMembership(store, int(s["worker"]), int(s["workers"]), f"fgdiloco/{s['job']}",
                                    liveness=liveness, address=(host, port), store_timeout=store_timeout,
-                                   job_keys=keys)
+                                   job_keys=keys, siblings=[f"fgdiloco/{j}" for j in sibling_jobs])
     transport = DistributedTransport(membership=membership, join_timeout=timeout, liveness=liveness)
     t0, want, wait = time.monotonic(), int(s["min_workers"]), timeout if wait is None else wait
     while True:

@@ -42,7 +42,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..config import HEARTBEAT_SECONDS, FGDiLoCoConfig
-from ..gossip.membership import StoreMembership, StoreUnreachable
+from ..gossip.membership import StoreMembership, StoreUnreachable, read_counters
 
 __all__ = ["ElasticMembership", "SlotTaken", "StoreUnreachable"]
 
@@ -61,16 +61,6 @@ class StoreNotReached(StoreUnreachable, TimeoutError):
 _KINDS = ("alive", "left", "incarnation", "round", "suspect")  # per-slot counters, made for every slot at once
 
 
-def read_counters(store: dist.Store, keys: Sequence[str]) -> list[int]:
-    """The values of the counters ``keys`` (``store.add``-keys that exist), in one round trip where the store has
-    ``multi_get``."""
-    if not keys:
-        return []
-    if getattr(store, "has_extended_api", lambda: False)():
-        return [int(v) for v in store.multi_get(list(keys))]
-    return [store.add(k, 0) for k in keys]
-
-
 class ElasticMembership(StoreMembership):
     """The slot ``rank`` of an elastic job of ``world_size`` slots on ``store`` (a ``TCPStore`` no worker hosts).
 
@@ -80,6 +70,12 @@ class ElasticMembership(StoreMembership):
         world_size: the job's slots.
         namespace: the job's keys' prefix (``fgdiloco/<job>``).
         liveness: heartbeat silence (seconds) after which a peer is taken for dead or hung.
+        address: the store's ``(host, port)``, to reconnect to a restarted store.
+        store_timeout: seconds out of reach of the store before the worker stops (:class:`StoreUnreachable`).
+        job_keys: keys every worker of the job agrees on (re-published to a restarted store).
+        siblings: a pipeline stage's: the namespaces of its replica's other stages (``fgdiloco/<job>.stage<t>``);
+            a peer whose replica has a stage without a heartbeat for ``liveness`` is gone (a hung stage holds its
+            replica).
 
     Raises:
         ValueError: ``rank`` or ``world_size`` out of range, or an empty ``namespace``.
@@ -87,7 +83,8 @@ class ElasticMembership(StoreMembership):
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, namespace: str, *,
                  liveness: float = FGDiLoCoConfig.liveness, address: tuple[str, int] | None = None,
-                 store_timeout: float = FGDiLoCoConfig.store_timeout, job_keys: dict[str, bytes] | None = None):
+                 store_timeout: float = FGDiLoCoConfig.store_timeout, job_keys: dict[str, bytes] | None = None,
+                 siblings: Sequence[str] = ()):
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1 (the job's worker slots), got {world_size!r}")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -106,7 +103,8 @@ class ElasticMembership(StoreMembership):
         #: set on reconnecting: the next round start joins the live round even one round behind
         self.resync = False
         self.round_now = 0  # the round this worker is in (published again to a restarted store)
-        super().__init__(store, rank, world_size, namespace, liveness=liveness, store_timeout=store_timeout)
+        super().__init__(store, rank, world_size, namespace, liveness=liveness, store_timeout=store_timeout,
+                         siblings=siblings)
 
     # ------------------------------------------------------------------ slots and incarnations
     def _make_slots(self, store: dist.Store) -> None:
@@ -170,7 +168,8 @@ class ElasticMembership(StoreMembership):
             if before is None or now == before:
                 return False
             self._left.discard(peer)
-            self._seen.pop(peer, None)
+            for who in [peer, *((ns, peer) for ns in self.siblings)]:
+                self._seen.pop(who, None)
         return True
 
     def joined(self) -> list[int]:

@@ -9,6 +9,9 @@ join a running job (:meth:`Membership.before_round`, :meth:`Membership.rejoin`).
   heartbeat counter per worker, bumped every :data:`~fgdiloco.config.HEARTBEAT_SECONDS`; a peer whose counter has not
   moved for ``liveness`` seconds is taken for dead or hung (``SUSPECT_SECONDS`` once another worker saw its
   connections reset, the mark of a dead process); a departure notice (:meth:`leave`) ends every wait for it at once.
+  A pipeline stage's membership also watches its peers' *sibling stages* (``siblings``): a peer whose replica has a
+  stage without a heartbeat for ``liveness`` is gone too, since a hung stage holds its whole replica (its other
+  stages still beat, blocked in a stage-to-stage transfer, and would be waited for as late peers).
   The set of workers is fixed: nobody joins or comes back. The store lives in one of the job's processes (rank 0,
   or torchrun's agent) and dies with it: a worker whose store has been out of reach for ``store_timeout`` raises
   :class:`StoreUnreachable` at its next round start instead of training on alone after its job has ended.
@@ -27,7 +30,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -35,12 +38,22 @@ import torch.distributed as dist
 from ..config import HEARTBEAT_SECONDS, FGDiLoCoConfig
 from ..runtime import Service
 
-__all__ = ["Membership", "StoreMembership", "StorePool", "StoreUnreachable", "SUSPECT_SECONDS"]
+__all__ = ["Membership", "StoreMembership", "StorePool", "StoreUnreachable", "SUSPECT_SECONDS", "read_counters"]
 
 log = logging.getLogger("fgdiloco")
 
 #: Liveness of a peer that another worker already saw reset its connections (a dead process), seconds.
 SUSPECT_SECONDS = 2.0
+
+
+def read_counters(store: dist.Store, keys: Sequence[str]) -> list[int]:
+    """The values of the counters ``keys`` (``store.add``-keys that exist), in one round trip where the store has
+    ``multi_get``."""
+    if not keys:
+        return []
+    if getattr(store, "has_extended_api", lambda: False)():
+        return [int(v) for v in store.multi_get(list(keys))]
+    return [store.add(k, 0) for k in keys]
 
 
 class StoreUnreachable(RuntimeError):
@@ -161,16 +174,21 @@ class StoreMembership(Membership):
         liveness: heartbeat silence (seconds) after which a peer is taken for dead or hung.
         store_timeout: how long (seconds) the worker trains on without gossip while the store is out of reach;
             then :meth:`before_round` raises :class:`StoreUnreachable`.
+        siblings: for a stage of a pipeline replica, the namespaces of its replica's other stages (the same store;
+            in each, a peer's position is the same replica's stage): a peer counts as gone when one of its
+            replica's other stages has had no heartbeat for ``liveness`` seconds.
     """
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, namespace: str, *,
-                 liveness: float = FGDiLoCoConfig.liveness, store_timeout: float = FGDiLoCoConfig.store_timeout):
+                 liveness: float = FGDiLoCoConfig.liveness, store_timeout: float = FGDiLoCoConfig.store_timeout,
+                 siblings: Sequence[str] = ()):
         super().__init__(rank, world_size)
         self.namespace = namespace
+        self.siblings = tuple(siblings)
         self.liveness = float(liveness)
         self.store_timeout = float(store_timeout)
         self.stores = StorePool(store)
-        self._seen: dict[int, tuple[int, float]] = {}  # peer -> (heartbeat value, when it last changed)
+        self._seen: dict[object, tuple[int, float]] = {}  # peer (or (sibling, peer)) -> (heartbeat, when it changed)
         self.down_since: float | None = None  # when the store stopped answering (None: it answers)
         self._misses, self._last_try = 0, 0.0
         self._left: set[int] = set()
@@ -248,7 +266,30 @@ class StoreMembership(Membership):
 
     def gone(self, peer: int, since: float) -> str | None:
         with self.stores.lease() as store:
-            return self._gone(store, peer, since)
+            return self._gone(store, peer, since) or self._replica_stalled(store, peer, since)
+
+    def _replica_stalled(self, store: dist.Store, peer: int, since: float) -> str | None:
+        """Why ``peer``'s pipeline replica is stuck (one of its other stages has had no heartbeat for ``liveness``),
+        or None."""
+        if not self.siblings:
+            return None
+        beats = read_counters(store, [f"{ns}/alive/{peer}" for ns in self.siblings])
+        for ns, beat in zip(self.siblings, beats):
+            silent = self._silent_for((ns, peer), beat, since)
+            if silent > self.liveness:
+                return f"its replica's {ns.rsplit('/', 1)[-1]} has had no heartbeat for {silent:.1f} s"
+        return None
+
+    def _silent_for(self, who: object, beat: int, since: float) -> float:
+        """Seconds the heartbeat counter ``who`` has kept the value ``beat`` (0 on a change; counted at the earliest
+        from ``since``, when the caller started waiting)."""
+        now = time.monotonic()
+        with self._lock:
+            value, seen = self._seen.get(who, (None, since))
+            if value != beat:
+                self._seen[who] = (beat, now)
+                return 0.0
+        return now - seen
 
     def _gone(self, store: dist.Store, peer: int, since: float) -> str | None:
         if self._departed(store, peer):
@@ -258,14 +299,9 @@ class StoreMembership(Membership):
         if verdict is not None:
             return verdict
         limit = SUSPECT_SECONDS if store.add(self._key("suspect", peer), 0) > 0 else self.liveness
-        now = time.monotonic()
-        with self._lock:
-            value, seen = self._seen.get(peer, (None, since))
-            if value != beat:
-                self._seen[peer] = (beat, now)
-                return None
-        if now - seen > limit:
-            return f"no heartbeat for {now - seen:.1f} s"
+        silent = self._silent_for(peer, beat, since)
+        if silent > limit:
+            return f"no heartbeat for {silent:.1f} s"
         return None
 
     def _slot_verdict(self, store: dist.Store, peer: int, beat: int) -> str | None:

@@ -223,9 +223,11 @@ class FGDiLoCo:
         if self.elastic:
             from ..elastic import connect, settings
 
-            job = None if mesh is None else f"{settings()['job']}.stage{mesh.stage}"  # each stage gossips apart
+            stage_jobs = [] if mesh is None else [f"{settings()['job']}.stage{s}" for s in range(mesh.stages)]
+            job = None if mesh is None else stage_jobs[mesh.stage]  # each stage gossips apart ...
             return connect(job=job, timeout=c.join_timeout, liveness=c.liveness, store_timeout=c.store_timeout,
-                           fingerprint=self.fingerprint, secret=job_secret())
+                           fingerprint=self.fingerprint, secret=job_secret(),
+                           sibling_jobs=[j for j in stage_jobs if j != job])  # ... and watches its replica's others
         if transport is not None or not (process_group is not None or mesh is not None
                                          or (dist.is_available() and dist.is_initialized())):
             return transport
