@@ -728,7 +728,8 @@ def test_stage_embeddings_keep_the_boundary_in_the_subspace_and_the_split_exact(
     model = GPT(cfg, subspace_rank=4, subspace_seed=1, subspace_stages=2, stage_embeddings=True)
     plain_sub = GPT(cfg, subspace_rank=4, subspace_seed=1, subspace_stages=2)
     added = sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in plain_sub.parameters())
-    assert added == 2 * (cfg.vocab_size + cfg.block_size) * cfg.n_embd  # one token + position table per stage
+    # one token + position table per stage, and the receiving stage's gate
+    assert added == 2 * (cfg.vocab_size + cfg.block_size) * cfg.n_embd + 1
     idx = torch.randint(0, cfg.vocab_size, (3, 16))
     found = dict(model.check_subspace(idx))  # the constrained boundaries are in E_fix + span(U) to rounding
     assert found["block 1"].max_relative < 1e-5
@@ -750,6 +751,40 @@ def test_stage_embeddings_keep_the_boundary_in_the_subspace_and_the_split_exact(
     opt.step()
     assert not torch.equal(before, model.stage_embeddings[0].wte.weight)
     assert dict(model.check_subspace(idx))["block 1"].max_relative < 1e-5
+
+
+def test_a_receiving_stage_starts_without_what_it_receives_and_its_gate_keeps_every_boundary_lossless():
+    """The gate of every stage after the first is zero at initialisation: the stage reads E_fix[tokens] and its own
+    embedding only (changing what the first stage sends changes nothing), and the stages before it get no gradient
+    through the boundary; the gates open from the last backwards, and with any gates a middle stage's boundary is
+    in the subspace and the 3-way split equals the unsplit model."""
+    cfg = GPTConfig(vocab_size=50, block_size=16, n_layer=6, n_head=2, n_embd=32)
+    torch.manual_seed(0)
+    model = GPT(cfg, subspace_rank=4, subspace_seed=1, subspace_stages=3, stage_embeddings=True)
+    assert model.stage_embeddings[0].gate is None
+    assert [float(e.gate) for e in model.stage_embeddings[1:]] == [0.0, 0.0]
+    idx = torch.randint(0, cfg.vocab_size, (3, 16))
+    first, middle, last = model.split(3)
+    codec = first.subspace_codec()
+    c, _ = codec.compress(first(idx), idx)
+    before = last(codec.decompress(*codec.compress(middle(codec.decompress(c, idx), idx), idx)), idx)
+    after = last(codec.decompress(*codec.compress(middle(codec.decompress(c + 5.0, idx), idx), idx)), idx)
+    torch.testing.assert_close(before, after, rtol=0, atol=1e-5)  # the first stage's coefficients are not read yet
+    loss = model(idx, idx)[1]
+    loss.backward()
+    assert all(p.grad is None or not p.grad.any() for p in model.transformer.h[0].parameters())
+    # the last stage's gate trains from the first step; the middle one's once the gate after it has opened
+    assert float(model.stage_embeddings[2].gate.grad) != 0.0 and float(model.stage_embeddings[1].gate.grad) == 0.0
+    with torch.no_grad():
+        for e, g in zip(model.stage_embeddings[1:], (0.7, -1.3)):
+            e.gate.fill_(g)
+    found = dict(model.check_subspace(idx))
+    assert max(found[f"block {i}"].max_relative for i in range(4)) < 1e-5  # both boundaries lossless
+    first, middle, last = model.split(3)
+    codec = first.subspace_codec()
+    x = codec.decompress(*codec.compress(first(idx), idx))
+    logits = last(codec.decompress(*codec.compress(middle(x, idx), idx)), idx)
+    torch.testing.assert_close(logits, model(idx)[0], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(("kwargs", "exc", "match"), [

@@ -245,7 +245,7 @@ class GPT(nn.Module):
         self.subspace_layers = _constrained_layers(config.n_layer, subspace_rank, self.subspace_stages)
         if subspace_rank is not None:
             _reparametrise(self, subspace_rank, subspace_seed, self.subspace_layers)
-        self.stage_embeddings = (nn.ModuleList(StageEmbedding(config) for _ in range(subspace_stages))
+        self.stage_embeddings = (nn.ModuleList(StageEmbedding(config, gated=s > 0) for s in range(subspace_stages))
                                  if stage_embeddings else None)
 
     @staticmethod
@@ -405,19 +405,34 @@ class GPT(nn.Module):
 class StageEmbedding(nn.Module):
     """A stage's own token and position embedding (``GPT(..., stage_embeddings=True)``): ``forward(idx [B, T]) ->
     dropout(L[idx] + Q[0..T-1])`` (``[B, T, d]``), ``L`` = ``wte`` (``vocab × d``), ``Q`` = ``wpe``
-    (``block_size × d``), both trainable, initialised ``N(0, 0.02²)`` as the plain model's embeddings."""
+    (``block_size × d``), both trainable, initialised ``N(0, 0.02²)`` as the plain model's embeddings.
 
-    def __init__(self, config: GPTConfig):
+    A stage that receives a stream (every stage but the first: ``gated=True``) also has ``gate``, a trainable scalar,
+    zero at initialisation: :meth:`admit` scales the received coefficients' part of the stream by it, so the stage
+    starts as a model of its own blocks and embedding and takes in what the stages before it send as training finds
+    it useful (what the first stage writes is otherwise about 20x the norm of the stage's own embedding by the end
+    of training, which drowns it after the blocks' LayerNorms; ``benchmarks/subspace.py`` measures both). With more
+    than two stages the gates open from the last backwards: a stage's gate gets a gradient once the gates after it
+    are open."""
+
+    def __init__(self, config: GPTConfig, gated: bool = False):
         super().__init__()
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.block_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
         for e in (self.wte, self.wpe):
             nn.init.normal_(e.weight, mean=0.0, std=0.02)
+        self.gate = nn.Parameter(torch.zeros(())) if gated else None
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[-1], dtype=torch.long, device=idx.device)
         return self.drop(self.wte(idx) + self.wpe(pos))
+
+    def admit(self, x: torch.Tensor, fixed: torch.Tensor) -> torch.Tensor:
+        """The stream this stage reads from the received ``x = E_fix[tokens] + U c`` (``[B, T, d]``; ``fixed`` is
+        ``E_fix[tokens]``): ``fixed + gate · U c``, still in ``E_fix[tokens] + span(U)``, so a middle stage's
+        boundary stays lossless. Without a gate, ``x`` itself."""
+        return x if self.gate is None else fixed + self.gate * (x - fixed)
 
 
 def _stage_blocks(blocks: Iterable[nn.Module], x: torch.Tensor, local: torch.Tensor | None,
@@ -434,8 +449,11 @@ def _stage_blocks(blocks: Iterable[nn.Module], x: torch.Tensor, local: torch.Ten
 def _through_stages(gpt: GPT, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """The blocks of a GPT with stage embeddings, stage by stage as the split stages run them."""
     ranges = stage_layers(gpt.config.n_layer, len(gpt.stage_embeddings))
+    fixed = F.embedding(idx, gpt.transformer.wte.E_fix)
     for s, r in enumerate(ranges):
-        x = _stage_blocks((gpt.transformer.h[i] for i in r), x, gpt.stage_embeddings[s](idx), s == len(ranges) - 1)
+        embedding = gpt.stage_embeddings[s]
+        x = _stage_blocks((gpt.transformer.h[i] for i in r), embedding.admit(x, fixed), embedding(idx),
+                          s == len(ranges) - 1)
     return x
 
 
@@ -768,6 +786,8 @@ class GPTStage(nn.Module):
                                  f"stage(x, tokens) with the batch's token ids [B, T] (in a Pipeline, use "
                                  f"activation_codec_for(stage), which passes them)")
             local = self.stage_embedding(tokens)
+            if not self.is_first:
+                x = self.stage_embedding.admit(x, F.embedding(tokens, self.E_fix))
         x = _stage_blocks(self.h, x, local, self.is_last)
         return self.lm_head(self.ln_f(x)) if self.is_last else x
 
