@@ -787,6 +787,21 @@ def test_a_receiving_stage_starts_without_what_it_receives_and_its_gate_keeps_ev
     torch.testing.assert_close(logits, model(idx)[0], rtol=1e-5, atol=1e-5)
 
 
+def test_a_checkpoint_from_before_the_gate_loads_with_the_gate_open():
+    """A state dict without the gates (saved before they existed) loads strictly, each gate at 1: the stream is
+    admitted as it is, the model it was saved from."""
+    cfg = GPTConfig(vocab_size=50, block_size=16, n_layer=4, n_head=2, n_embd=32)
+    torch.manual_seed(0)
+    model = GPT(cfg, subspace_rank=4, subspace_seed=1, subspace_stages=2, stage_embeddings=True)
+    old = {k: v for k, v in model.split(2)[1].state_dict().items() if not k.endswith("gate")}
+    assert len(old) == len(model.split(2)[1].state_dict()) - 1
+    last = model.split(2)[1]
+    last.load_state_dict(old)
+    assert float(last.stage_embedding.gate) == 1.0
+    x, idx = torch.randn(2, 16, 32), torch.randint(0, cfg.vocab_size, (2, 16))
+    torch.testing.assert_close(last.stage_embedding.admit(x, last.E_fix[idx]), x, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize(("kwargs", "exc", "match"), [
     ({"subspace_rank": 4, "stage_embeddings": True}, ValueError, "needs subspace_rank and subspace_stages"),
     ({"stage_embeddings": True}, ValueError, "needs subspace_rank and subspace_stages"),

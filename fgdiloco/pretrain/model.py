@@ -16,6 +16,7 @@ import copy
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -196,8 +197,11 @@ class GPT(nn.Module):
     its last block, so what crosses a boundary is still ``E_fix[tokens] + U c`` (the same k numbers per token; the
     boundary stays lossless) while every stage's blocks read a token embedding that trains in all d dimensions.
     Without them the token-specific part of the stream is the frozen ``E_fix`` plus k trained dimensions, which is
-    what the subspace model loses most by (``benchmarks/subspace.py``; docs/pipelines.md quotes it). It adds
-    ``S · (vocab + block_size) · d`` parameters; in the unsplit model stage ``s`` is the blocks of
+    what the subspace model loses most by (``benchmarks/subspace.py``; docs/pipelines.md quotes it). Every stage
+    after the first reads ``E_fix[tokens] + g_s · U c`` (:meth:`StageEmbedding.admit`): its gate ``g_s``, a
+    trainable scalar, is zero at initialisation, so the stage starts from its own embedding and blocks and takes
+    in what crosses the boundary as it proves useful; the stream stays in ``E_fix[tokens] + span(U)``. It adds
+    ``S · (vocab + block_size) · d + S − 1`` parameters; in the unsplit model stage ``s`` is the blocks of
     :func:`stage_layers` ``(n_layer, S)[s]``.
 
     Args:
@@ -427,6 +431,12 @@ class StageEmbedding(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[-1], dtype=torch.long, device=idx.device)
         return self.drop(self.wte(idx) + self.wpe(pos))
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any) -> None:
+        # a checkpoint from before the gate: a gate of 1 admits the stream as it is, the model it was saved from
+        if self.gate is not None and prefix + "gate" not in state_dict:
+            state_dict[prefix + "gate"] = torch.ones(())
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def admit(self, x: torch.Tensor, fixed: torch.Tensor) -> torch.Tensor:
         """The stream this stage reads from the received ``x = E_fix[tokens] + U c`` (``[B, T, d]``; ``fixed`` is
