@@ -271,10 +271,9 @@ class StoreMembership(Membership):
     def _replica_stalled(self, store: dist.Store, peer: int, since: float) -> str | None:
         """Why ``peer``'s pipeline replica is stuck (one of its other stages has had no heartbeat for ``liveness``),
         or None."""
-        if not self.siblings:
-            return None
-        beats = read_counters(store, [f"{ns}/alive/{peer}" for ns in self.siblings])
-        for ns, beat in zip(self.siblings, beats):
+        # add(key, 0), not a batched multi_get: a sibling job whose slots are not made yet must not block the check
+        for ns in self.siblings:
+            beat = store.add(f"{ns}/alive/{peer}", 0)
             silent = self._silent_for((ns, peer), beat, since)
             if silent > self.liveness:
                 return f"its replica's {ns.rsplit('/', 1)[-1]} has had no heartbeat for {silent:.1f} s"
