@@ -252,10 +252,10 @@ def test_a_peer_whose_replica_has_a_hung_stage_is_gone_after_liveness_though_its
     mine = DistributedTransport(membership=stage(1, 1), join_timeout=10.0, liveness=1.0)
     assert mine.membership.gone(0, time.monotonic()) is None  # every stage of replica 0 beats
     hung.close()  # SIGSTOP: no more heartbeats, no departure notice
-    t0 = time.monotonic()
+    t0 = time.monotonic()  # the verdict names the silent sibling, silent for liveness (1.x s): without the
+    # sibling check the open would end only at join_timeout (10 s) with another message
     with pytest.raises(PeerGone, match=r"its replica's p\.stage0 has had no heartbeat for 1\.\d s"):
         mine.open(0, key="mix2/r3", timeout=10.0)
-    assert 1.0 <= time.monotonic() - t0 < 4.0  # liveness (1 s), not join_timeout (10 s)
     with mine.membership.stores.lease() as client:  # by its own heartbeat the peer is alive: without the
         assert mine.membership._gone(client, 0, t0) is None  # sibling it would be waited for as a late peer
     mine.close(), blocked.close()
