@@ -42,7 +42,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..config import HEARTBEAT_SECONDS, FGDiLoCoConfig
-from ..gossip.membership import StoreMembership, StoreUnreachable, read_counters
+from ..gossip.membership import StoreMembership, StoreUnreachable
 
 __all__ = ["ElasticMembership", "SlotTaken", "StoreUnreachable"]
 
@@ -59,6 +59,16 @@ class StoreNotReached(StoreUnreachable, TimeoutError):
     to wait again) and, as documented before, a ``TimeoutError``."""
 
 _KINDS = ("alive", "left", "incarnation", "round", "suspect")  # per-slot counters, made for every slot at once
+
+
+def read_counters(store: dist.Store, keys: Sequence[str]) -> list[int]:
+    """The values of the counters ``keys`` (``store.add``-keys that exist), in one round trip where the store has
+    ``multi_get``."""
+    if not keys:
+        return []
+    if getattr(store, "has_extended_api", lambda: False)():
+        return [int(v) for v in store.multi_get(list(keys))]
+    return [store.add(k, 0) for k in keys]
 
 
 class ElasticMembership(StoreMembership):

@@ -38,22 +38,12 @@ import torch.distributed as dist
 from ..config import HEARTBEAT_SECONDS, FGDiLoCoConfig
 from ..runtime import Service
 
-__all__ = ["Membership", "StoreMembership", "StorePool", "StoreUnreachable", "SUSPECT_SECONDS", "read_counters"]
+__all__ = ["Membership", "StoreMembership", "StorePool", "StoreUnreachable", "SUSPECT_SECONDS"]
 
 log = logging.getLogger("fgdiloco")
 
 #: Liveness of a peer that another worker already saw reset its connections (a dead process), seconds.
 SUSPECT_SECONDS = 2.0
-
-
-def read_counters(store: dist.Store, keys: Sequence[str]) -> list[int]:
-    """The values of the counters ``keys`` (``store.add``-keys that exist), in one round trip where the store has
-    ``multi_get``."""
-    if not keys:
-        return []
-    if getattr(store, "has_extended_api", lambda: False)():
-        return [int(v) for v in store.multi_get(list(keys))]
-    return [store.add(k, 0) for k in keys]
 
 
 class StoreUnreachable(RuntimeError):
