@@ -212,8 +212,10 @@ def main(argv: list[str] | None = None) -> None:
                     self.round_steps.append(trainer.global_step)
                     os.makedirs(args.out, exist_ok=True)
                     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-                    torch.save(list(zip(self.round_steps, self.round_params)),
-                               os.path.join(args.out, f"rank{trainer.global_rank}.attempt{attempt}.rounds.pt"))
+                    # written whole or not at all: the agent's SIGTERM may land inside the save
+                    path = os.path.join(args.out, f"rank{trainer.global_rank}.attempt{attempt}.rounds.pt")
+                    torch.save(list(zip(self.round_steps, self.round_params)), path + ".tmp")
+                    os.replace(path + ".tmp", path)
             self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
             self._last_end = time.perf_counter()
 
