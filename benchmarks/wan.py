@@ -68,6 +68,7 @@ from fgdiloco.pretrain.comparison import (
     peer_targets,
     ratio_key,
     row_loss,
+    seed_summary,
     targets,
 )
 from fgdiloco.pretrain.merge import read_rank_rows, write_merged
@@ -400,6 +401,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --peers: the outer optimizer's grid (lr x momentum, the same for both sides) on each "
                          "side's best F/tau/alpha setting, and torchft DiLoCo as the target; default 100 Mbit/s; "
                          "writes wan_peers_outer.json")
+    ap.add_argument("--seeds", default=None,
+                    help="with --peers: comma-separated seeds (e.g. 0,1,2); every method runs once per seed, default "
+                         "methods torchft DiLoCo and each side's best setting of the --grid run, default 100 Mbit/s; "
+                         "reports each method's mean and spread over the seeds; writes wan_peers_seeds.json")
     ap.add_argument("--bandwidths", default=None, help="Mbit/s, comma separated (default 10,100,1000)")
     ap.add_argument("--methods", default=None, help=f"comma separated subset of {','.join(METHODS)}")
     ap.add_argument("--steps", type=int, default=None, help="inner steps per worker (token budget)")
@@ -419,16 +424,21 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("benchmarks.wan needs root (network namespaces)")
     from benchmarks.netns import NetnsCluster
 
+    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else None
+    if seeds is not None and not args.peers:
+        raise SystemExit("--seeds compares against torchft: use it with --peers")
     job = dict(JOB)
     if args.quick:
         job.update(steps=60)
     if args.steps:
         job["steps"] = args.steps
-    default_bw = ("100" if args.quick or args.outer_grid else "10,100") if args.peers else (
+    default_bw = ("100" if args.quick or args.outer_grid or seeds else "10,100") if args.peers else (
         "100" if args.quick else "10,100,1000")
     bandwidths = [float(x) for x in (args.bandwidths or default_bw).split(",")]
     if args.methods:
         methods = args.methods.split(",")
+    elif args.peers and seeds:
+        methods = ["torchft-diloco", *OUTER_GRID_BASES]
     elif args.peers and args.outer_grid:
         methods = ["torchft-diloco", *(outer_variant(base, lr, mom) for base in OUTER_GRID_BASES
                                        for lr, mom in OUTER_GRID)]
@@ -443,12 +453,13 @@ def main(argv: list[str] | None = None) -> int:
     for m in methods:
         if not known_method(m):
             raise SystemExit(f"unknown method {m!r}; use {', '.join(METHODS)}")
-    faults = [m for m in FAULT_METHODS if args.peers and not args.no_faults and not args.outer_grid]
+    faults = [m for m in FAULT_METHODS if args.peers and not args.no_faults and not args.outer_grid and not seeds]
     if any("peer" in METHODS[m] for m in methods + faults):
         lighthouse_binary()  # fails early without torchft
     # --peers --quick: torchft's rounds take up to 3 s each on the loaded 2 cores; 15 s would cut its short run
     cap = args.cap_seconds if args.cap_seconds else ((60.0 if args.peers else 15.0) if args.quick else 150.0)
-    stem = ("wan_peers_outer" if args.outer_grid else "wan_peers") if args.peers else "wan"
+    stem = ("wan_peers_outer" if args.outer_grid else "wan_peers_seeds" if seeds else "wan_peers") if args.peers \
+        else "wan"
     out_path = Path(args.out) if args.out else RESULTS / (f"{stem}_quick.json" if args.quick else f"{stem}.json")
     runs_dir = Path(args.runs_dir) / (("peers-" if args.peers else "") + ("quick" if args.quick else "full"))
     t_all = time.perf_counter()
@@ -462,7 +473,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m benchmarks.wan" + (" --peers" if args.peers else "") + (" --quick" if args.quick else "")
                    + (" --grid" if args.grid else "") + (" --outer-grid" if args.outer_grid else "")
                    + (f" --bandwidths {args.bandwidths}" if args.bandwidths else "")
-                   + (f" --methods {args.methods}" if args.methods else ""),
+                   + (f" --methods {args.methods}" if args.methods else "")
+                   + (f" --seeds {args.seeds}" if args.seeds else ""),
         "job": job, "workers": job["workers"], "methods": {m: METHODS[m] for m in methods}, "code": code,
         "bandwidths_mbit": bandwidths, "cap_seconds": cap,
         "notes": [
@@ -495,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     with NetnsCluster(job["workers"], rate_mbit=bandwidths[0]) as net:
         result["network"] = {"namespaces": net.names, "addresses": net.addrs, "isolation": net.isolation_check(),
                              "rtt": net.measure_rtt(), "shaping_check": []}
-        for bw in bandwidths:
+        for seed, bw in [(seed, bw) for seed in (seeds or [job["seed"]]) for bw in bandwidths]:
             net.set_rate(bw)
             chk = net.measure_throughput(0, 1, seconds=1.5 if args.quick else 2.0)
             chk["qdisc"] = net.qdiscs(0)
@@ -504,13 +516,15 @@ def main(argv: list[str] | None = None) -> int:
             for name in methods:
                 port += 1
                 t0 = time.perf_counter()
-                r = run_one(net, name, bw, job, runs_dir / f"{bw:g}mbit" / name, port, cap_s=cap,
-                            hard_s=cap * 3 + 180, code=code, cache=cache)
+                run_dir = runs_dir / (f"seed{seed}" if seeds else "") / f"{bw:g}mbit" / name
+                r = run_one(net, name, bw, dict(job, seed=seed), run_dir, port, cap_s=cap, hard_s=cap * 3 + 180,
+                            code=code, cache=cache)
+                r["seed"] = seed
                 runs.append(r)
                 if r.get("error"):
                     print(f"[wan] {bw:g} Mbit/s {name}: ERROR {r['error']}\n{r.get('log_tail', '')}", flush=True)
                 else:
-                    print(f"[wan] {bw:g} Mbit/s {name:<16} util {100 * (r['utilisation'] or 0):5.1f} %  "
+                    print(f"[wan] seed {seed}, {bw:g} Mbit/s {name:<16} util {100 * (r['utilisation'] or 0):5.1f} %  "
                           f"train {r['train_seconds']:6.1f} s  tokens {r['tokens'] / 1e6:.2f}M  "
                           f"loss {r['final_loss']:.3f}  tx {(r['wire_tx_bytes_per_worker'] or 0) / 1e6:7.2f} MB  "
                           f"({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -549,6 +563,11 @@ def main(argv: list[str] | None = None) -> int:
                          f"{d['discarded_seconds']:.2f})  rounds lost {d['rounds_lost']}"), flush=True)
                 result["dead_worker_runs"] = fault_runs
                 out_path.write_text(json.dumps(result, indent=1) + "\n")
+    if seeds:  # the tables and targets below are the first seed's; the summary is over all of them
+        result["seed_tables"] = {seed: compare([r for r in runs if r["seed"] == seed], bandwidths, "torchft-diloco")
+                                 for seed in seeds}
+        result["seed_summary"] = seed_summary(result["seed_tables"], f"{bandwidths[0]:g}")
+        runs = [r for r in runs if r["seed"] == seeds[0]]
     table = compare(runs, bandwidths)
     result["table"] = table
     if any(r["method"] == "torchft-diloco" for r in runs):
@@ -577,14 +596,21 @@ def reanalyse(path: Path) -> int:
     for r in result["runs"]:
         known_method(r["method"])  # outer-optimizer variants: registered by name
     bandwidths = result["bandwidths_mbit"]
-    result["table"] = compare(result["runs"], bandwidths)
+    runs = result["runs"]
+    if result.get("seed_summary"):
+        seeds = result["seed_summary"]["seeds"]
+        result["seed_tables"] = {seed: compare([r for r in runs if r["seed"] == seed], bandwidths, "torchft-diloco")
+                                 for seed in seeds}
+        result["seed_summary"] = seed_summary(result["seed_tables"], f"{bandwidths[0]:g}")
+        runs = [r for r in runs if r["seed"] == seeds[0]]
+    result["table"] = compare(runs, bandwidths)
     result["targets_100mbit"] = targets(result["table"])
     if result.get("sensitivity"):
         result["sensitivity"]["table"] = compare(result["sensitivity"]["runs"], [100.0])
-    if any(r["method"] == "torchft-diloco" for r in result["runs"]):
-        result["peers_table"] = compare(result["runs"], bandwidths, "torchft-diloco")
+    if any(r["method"] == "torchft-diloco" for r in runs):
+        result["peers_table"] = compare(runs, bandwidths, "torchft-diloco")
         result["targets_vs_torchft"] = peer_targets(result["peers_table"])
-    result["plot"] = plot(result["runs"], bandwidths, result["table"], path.parent,
+    result["plot"] = plot(runs, bandwidths, result["table"], path.parent,
                           name=Path(result.get("plot") or "wan_loss.png").name)
     if result.get("dead_worker_runs"):
         result["plot_dead_worker"] = plot_dead_worker(result["dead_worker_runs"], path.parent)
@@ -683,7 +709,30 @@ def markdown_tables(result: dict[str, Any], key: str = "table") -> str:
     return "\n".join(lines)
 
 
+def seed_table(summary: dict[str, Any]) -> str:
+    """Markdown: per method, each seed's held-out loss at equal tokens and seconds to the target, mean and spread;
+    then the paired FG-DiLoCo / Streaming DiLoCo loss differences."""
+    seeds = summary["seeds"]
+    lines = [f"| method | loss @ equal tokens, seeds {', '.join(map(str, seeds))} | mean | spread | "
+             "s to target per seed | mean s |", "|---|---|---:|---:|---|---:|"]
+    for m, row in summary["methods"].items():
+        loss, sec = row["loss_at_equal_tokens"], row["seconds_to_target"]
+        lines.append(f"| {LABEL[m]} | {' / '.join(_fmt(v, 'loss') for v in loss['per_seed'])} | "
+                     f"{_fmt(loss['mean'], 'loss')} | {_fmt(loss['spread'], 'loss')} | "
+                     f"{' / '.join(_fmt(v, 's') for v in sec['per_seed'])} | {_fmt(sec['mean'], 's')} |")
+    for pair, d in summary["fg_vs_streaming"].items():
+        per = " / ".join("-" if r is None else f"{100 * r:+.2f} %" for r in d["relative_loss_difference_per_seed"])
+        mean = "-" if d["mean"] is None else f"{100 * d['mean']:+.2f} %"
+        lines.append(f"\n{pair}: loss difference per seed {per}, mean {mean}; FG-DiLoCo lower or equal in "
+                     f"{d['fg_lower_in_seeds']} of {len(seeds)} seeds")
+    return "\n".join(lines)
+
+
 def print_tables(result: dict[str, Any]) -> None:
+    if result.get("seed_summary"):
+        print(f"\n[wan] over seeds {result['seed_summary']['seeds']} (the tables after this one are seed "
+              f"{result['seed_summary']['seeds'][0]}'s)")
+        print(seed_table(result["seed_summary"]))
     print(markdown_tables(result))
     if result.get("peers_table"):
         print("\n[wan] against torchft")

@@ -25,6 +25,7 @@ from fgdiloco.pretrain.comparison import (
     outer_variant,
     peer_targets,
     ratio_key,
+    seed_summary,
 )
 from fgdiloco.pretrain.merge import merge_rank_rows, read_rank_rows, write_merged
 from fgdiloco.pretrain.model import GPT, GPTConfig, fragments_of
@@ -219,3 +220,29 @@ def test_peer_targets_take_each_sides_best_setting():
     assert math.isclose(tg["fg_vs_torchft_diloco"], 0.4) and tg["fg_vs_torchft_diloco_le_0.6"]
     assert tg["fg_utilisation_ge_0.97"] and math.isclose(tg["fg_bytes_vs_streaming"], 0.4) and tg["fg_bytes_le_0.5"]
     assert tg["fg_loss_at_equal_tokens_no_worse"]
+
+
+def test_seed_summary_gives_each_seeds_value_the_mean_the_spread_and_the_paired_difference():
+    def table(fg_loss, st_loss, fg_reaches=True):
+        runs = [_run("torchft-diloco", [7, 6, 5, 4], [0, 10, 20, 30]),
+                _run("torchft-streaming-f2-t2", [7, 6, 5, st_loss], [0, 8, 16, 24]),
+                _run("fg-stream-f2-t2", [7, 6, 5, fg_loss if fg_reaches else 4.5], [0, 6, 12, 18], util=0.9)]
+        return compare(runs, [100.0], "torchft-diloco")
+    s = seed_summary({0: table(3.0, 3.2), 2: table(3.3, 3.0), 1: table(3.1, 3.2)})
+    assert s["seeds"] == [0, 1, 2]
+    fg = s["methods"]["fg-stream-f2-t2"]["loss_at_equal_tokens"]
+    assert fg["per_seed"] == [3.0, 3.1, 3.3]
+    assert math.isclose(fg["mean"], (3.0 + 3.1 + 3.3) / 3) and math.isclose(fg["spread"], 0.3)
+    pair = s["fg_vs_streaming"]["fg-stream-f2-t2 vs torchft-streaming-f2-t2"]
+    assert [round(r, 6) for r in pair["relative_loss_difference_per_seed"]] == [round(3.0 / 3.2 - 1, 6),
+                                                                               round(3.1 / 3.2 - 1, 6), 0.1]
+    assert pair["fg_lower_in_seeds"] == 2
+    assert math.isclose(pair["mean"], ((3.0 / 3.2 - 1) + (3.1 / 3.2 - 1) + 0.1) / 3)
+    # a seed in which FG-DiLoCo never reaches the target: its seconds are None, so is their mean
+    t = seed_summary({0: table(3.0, 3.2), 1: table(3.0, 3.2, fg_reaches=False)})
+    sec = t["methods"]["fg-stream-f2-t2"]["seconds_to_target"]
+    assert sec["per_seed"][1] is None and sec["mean"] is None and sec["spread"] is None
+    with pytest.raises(ValueError, match="tables is empty"):
+        seed_summary({})
+    with pytest.raises(ValueError, match="no 10 Mbit/s part"):
+        seed_summary({0: table(3.0, 3.2)}, bw="10")

@@ -23,7 +23,7 @@ from typing import Any
 __all__ = ["DIED_EXIT_CODE", "FAMILY", "FG_GRID", "JOB", "LABEL", "LOOSE", "METHODS", "OUTER_GRID",
            "OUTER_GRID_BASES", "PEERS", "PEER_DEFAULTS", "STREAMING_GRID", "base_method", "check_peer", "compare",
            "crossing", "dead_worker_cost", "known_method", "loss_at", "outer_variant", "peer_targets", "ratio_key",
-           "row_loss", "targets"]
+           "row_loss", "seed_summary", "targets"]
 
 #: The job every method of ``benchmarks/wan.py`` runs (TrainConfig fields): also the "real GPT" whose codec bytes
 #: ``fgdiloco simulate`` measures, and the run shape of the measured runs its model is validated against.
@@ -361,6 +361,46 @@ def peer_targets(peers_table: dict[str, Any]) -> dict[str, Any]:
             })
         out[f"{bw}mbit"] = row
         out["evaluated"] = True
+    return out
+
+
+def seed_summary(tables: dict[int, dict[str, Any]], bw: str = "100") -> dict[str, Any]:
+    """The same methods under several seeds (``benchmarks.wan --peers --seeds``): ``tables`` maps a seed to its
+    :func:`compare` table against torchft DiLoCo (whose final loss is that seed's target). Per method and per
+    measure (held-out loss at equal tokens, seconds to the target, utilisation): the value of each seed, their mean
+    and spread (max - min; None where a seed has no value), and, per pair of an FG-DiLoCo and a Streaming DiLoCo
+    setting (:data:`FG_GRID`, :data:`STREAMING_GRID`), the loss difference of each seed (FG minus Streaming,
+    relative) and its mean: a difference smaller than the spread is not a difference this job can show.
+
+    Raises:
+        ValueError: ``tables`` is empty, or a seed's table has no ``bw`` Mbit/s part.
+    """
+    if not tables:
+        raise ValueError("seed_summary: tables is empty; pass {seed: compare(runs, ..., 'torchft-diloco')}")
+    missing = [seed for seed, t in tables.items() if bw not in t]
+    if missing:
+        raise ValueError(f"seed_summary: the tables of seeds {missing} have no {bw} Mbit/s part")
+    seeds = sorted(tables)
+    methods = [m for m in tables[seeds[0]][bw]["methods"] if all(m in tables[s][bw]["methods"] for s in seeds)]
+    out: dict[str, Any] = {"seeds": seeds, "bandwidth_mbit": bw, "methods": {}, "fg_vs_streaming": {}}
+    for m in methods:
+        row: dict[str, Any] = {}
+        for key in ("loss_at_equal_tokens", "seconds_to_target", "utilisation"):
+            vals = [tables[s][bw]["methods"][m][key] for s in seeds]
+            known = [v for v in vals if v is not None]
+            full = len(known) == len(vals)
+            row[key] = {"per_seed": vals, "mean": statistics.fmean(known) if full else None,
+                        "spread": max(known) - min(known) if full else None}
+        out["methods"][m] = row
+    for f in (m for m in methods if base_method(m) in FG_GRID):
+        for st in (m for m in methods if base_method(m) in STREAMING_GRID):
+            fl = out["methods"][f]["loss_at_equal_tokens"]["per_seed"]
+            sl = out["methods"][st]["loss_at_equal_tokens"]["per_seed"]
+            rel = [None if a is None or b is None else a / b - 1 for a, b in zip(fl, sl)]
+            out["fg_vs_streaming"][f"{f} vs {st}"] = {
+                "relative_loss_difference_per_seed": rel,
+                "mean": statistics.fmean(rel) if None not in rel else None,
+                "fg_lower_in_seeds": sum(1 for r in rel if r is not None and r <= 0)}
     return out
 
 
