@@ -263,7 +263,7 @@ def test_train_worker_lowrank_partial_last_round_and_sparse_evals(tmp_path):
 def test_train_worker_with_fragments_counts_a_round_every_h_over_f_steps(tmp_path):
     """With fragments every fragment's sync is an outer round: the rows' steps and tokens are round x H / F (the
     WAN benchmark's first grid run labelled them round x H, doubling the tokens of its fragment runs)."""
-    cfg = tiny_config(tmp_path, fragments=2, steps=20, sync_every=10)
+    cfg = tiny_config(tmp_path, fragments=2, steps=20, sync_every=10, eval_deferred=True)
     assert (cfg.round_steps, cfg.rounds) == (5, 4)
     run_ranks(_run_worker, 2, tmp_path, cfg, timeout=90)
     rows = read_rows(Path(cfg.out) / "metrics.jsonl")
@@ -271,6 +271,11 @@ def test_train_worker_with_fragments_counts_a_round_every_h_over_f_steps(tmp_pat
     assert rows[-1]["tokens"] == 20 * 8 * 32 * 2
     summary = json.loads((Path(cfg.out) / "summary.json").read_text())
     assert summary["rounds"] == summary["rounds_planned"] == 4 and summary["steps"] == 20
+    # the job's clock is the slower rank's; the summary's clocks stop when training does (the deferred
+    # evaluation after it is in neither; it used to be subtracted from train_seconds)
+    assert all(r["train_seconds_slowest"] >= r["train_seconds"] for r in rows)
+    assert rows[-1]["train_seconds"] <= summary["train_seconds"] <= summary["wall_seconds"]
+    assert math.isclose(summary["eval_seconds"], summary["wall_seconds"] - summary["train_seconds"])
 
 
 def test_train_worker_single_process_without_torch_distributed(tmp_path, monkeypatch):

@@ -88,9 +88,11 @@ def test_merge_means_over_the_ranks_that_reached_each_step():
     per_rank = {
         0: [_row(0, 0, 7.0, None, 0), _row(0, 10, 6.0, 0.8, 100), _row(0, 20, 5.0, 0.9, 200)],
         1: [_row(1, 0, 7.0, None, 0), _row(1, 10, 6.5, 0.6, 300), _row(1, 20, 5.5, 0.7, 400)],
-        2: [_row(2, 0, 7.0, None, 0), _row(2, 10, 7.0, 0.4, 500)],  # died after step 10
+        2: [_row(2, 0, 7.0, None, 0), _row(2, 10, 7.0, 0.4, 500, train_seconds=1.5)],  # died after step 10
     }
     rows = merge_rank_rows(per_rank)
+    # the job's clock is its slowest rank's: rank 2 reached step 10 at 1.5 s, ranks 0 and 1 at 1.0 s
+    assert [r["train_seconds_slowest"] for r in rows] == [0.0, 1.5, 2.0] and rows[1]["train_seconds"] == 1.0
     assert [r["step"] for r in rows] == [0, 10, 20]
     assert rows[0]["utilisation_mean"] is None
     assert math.isclose(rows[1]["eval_loss_mean"], 6.5) and math.isclose(rows[1]["utilisation_mean"], 0.6)

@@ -179,7 +179,8 @@ def read_rank_rows(run_dir: Path) -> dict[int, list[dict[str, Any]]]:
 
 def merge_rank_rows(per_rank: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """The rows ``wan.py`` reads (``metrics.jsonl``) from the ranks' own rows: rank 0's row per evaluation point,
-    with ``eval_loss`` rank 0's, and ``eval_loss_mean``, ``utilisation_mean``, ``net_tx_bytes_mean`` and
+    with ``eval_loss`` rank 0's, ``train_seconds_slowest`` the largest ``train_seconds`` of the ranks at that step, and
+    ``eval_loss_mean``, ``utilisation_mean``, ``net_tx_bytes_mean`` and
     ``net_rx_bytes_mean`` the means over the ranks that reached that step (a dead rank drops out of later means).
 
     Raises:
@@ -197,7 +198,8 @@ def merge_rank_rows(per_rank: dict[int, list[dict[str, Any]]]) -> list[dict[str,
     for row in per_rank[0]:
         s = row["step"]
         m = dict(row)
-        m.update(eval_loss_mean=mean("eval_loss", s), utilisation_mean=mean("utilisation", s),
+        m.update(train_seconds_slowest=max(by_step[r][s]["train_seconds"] for r in by_step if s in by_step[r]),
+                 eval_loss_mean=mean("eval_loss", s), utilisation_mean=mean("utilisation", s),
                  net_tx_bytes_mean=mean("net_tx_bytes", s), net_rx_bytes_mean=mean("net_rx_bytes", s),
                  ranks=sum(1 for r in by_step if s in by_step[r]))
         merged.append(m)

@@ -56,6 +56,13 @@ def _all_sum(values: list[float], world: int) -> list[float]:
     return t.tolist()
 
 
+def _all_max(value: float, world: int) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
 def _or0(v: float | None) -> float:
     return 0.0 if v is None else float(v)
 
@@ -119,9 +126,12 @@ class GroupRows(Reporter):
             local += [loss if lay.reports_loss else 0.0, _or0(train_loss) if lay.reports_loss else 0.0,
                       metrics["activation_bytes_sent"], metrics["pipeline_bubble"]]
         s = _all_sum(local, lay.workers)  # after the round: costs no round time (the loop excludes it)
+        # the slowest worker's training clock: the others' waits at this collective are excluded from their clocks
+        slowest = _all_max(point.train_seconds, lay.workers)
         if lay.stages > 1:
             loss, train_loss = s[13], (s[14] if train_loss is not None else None)
         row = self._row(point, stats, loss, train_loss, bytes_round, s)
+        row["train_seconds_slowest"] = slowest
         if cfg.net_counters:  # bytes on this worker's interface since training started (headers included)
             row.update(net_tx_bytes=net[0] - self._net0[0], net_rx_bytes=net[1] - self._net0[1],
                        net_tx_bytes_mean=s[6] / lay.workers, net_rx_bytes_mean=s[7] / lay.workers)
@@ -184,13 +194,14 @@ class GroupRows(Reporter):
         peak = torch.tensor([peak_rss_bytes()], dtype=torch.int64)
         if self.layout.workers > 1:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        total, excluded = outcome.wall_seconds, outcome.clock.excluded_seconds
+        # the clocks when training ended: a deferred evaluation after it is in neither
+        total, train = outcome.wall_seconds, outcome.train_seconds
         summary = summarise(self.info, self.rows, extra={
             "rank": self.rank,
             "wall_seconds": total,
-            "train_seconds": total - excluded,
-            "eval_seconds": excluded,
-            "tokens_per_second": outcome.steps * self.info["tokens_per_step"] / max(total - excluded, 1e-9),
+            "train_seconds": train,
+            "eval_seconds": total - train,
+            "tokens_per_second": outcome.steps * self.info["tokens_per_step"] / max(train, 1e-9),
             "peak_rss_bytes": int(peak),
         })
         if self.rank == 0:

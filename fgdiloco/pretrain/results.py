@@ -64,6 +64,8 @@ ROW_FIELDS: dict[str, str] = {
     "tokens": "tokens trained on so far, all workers together",
     "wall_seconds": "seconds since training started (s), evaluation included",
     "train_seconds": "seconds since training started (s), evaluation excluded",
+    "train_seconds_slowest": "train_seconds of the slowest worker (s): how long the job took to get here (the "
+                             "others waited for it at this row's collective, which their clocks exclude)",
     "eval_loss": "held-out cross-entropy of rank 0's replica (replica 0; with --stages, evaluated through its "
                  "pipeline and read from its last stage) (nats/token)",
     "eval_loss_mean": "held-out cross-entropy, mean over the replicas (nats/token)",
