@@ -297,15 +297,23 @@ def lighthouse_binary() -> str:
 
 
 def run_one(net: Any, name: str, bw: float, job: dict[str, Any], run_dir: Path, port: int, cap_s: float | None,
-            hard_s: float, code: dict[str, Any], cache: Path, fault: dict[str, Any] | None = None) -> dict[str, Any]:
+            hard_s: float, code: dict[str, Any], cache: Path, fault: dict[str, Any] | None = None,
+            barrier_free: bool = False) -> dict[str, Any]:
     """Run method ``name`` once on the cluster's links and summarise it. ``fault``: ``{"die_rank", "die_at_step"}``
-    for a dead-worker run (through ``benchmarks/peers.py`` for every method; no time cap)."""
+    for a dead-worker run (through ``benchmarks/peers.py`` for every method; no time cap). ``barrier_free``: every
+    method through ``benchmarks/peers.py`` with no collective between the workers but the method's own (each rank
+    keeps its rows, merged after training; no stop flag, so no ``cap_s``): the row collective of
+    ``train_worker`` is a barrier at every round whose waits the workers' clocks exclude, which hides the skew
+    between workers that a method without a global all-reduce would otherwise pay in its exchanges."""
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     method = json.loads(json.dumps(METHODS[name]))
-    if fault is not None and "peer" not in method:
+    if (fault is not None or barrier_free) and "peer" not in method:
         method["peer"] = {"backend": "fgdiloco"}
+    if barrier_free:
+        method["peer"]["stop_flag"] = False
+        cap_s = None
     peer = method.get("peer")
     cfg = {k: v for k, v in job.items() if k != "workers"}
     cfg.update(workers=job["workers"], out=str(run_dir), quiet=True, timeout=120.0, eval_every=1, cache_dir=str(cache),
@@ -405,8 +413,9 @@ def main(argv: list[str] | None = None) -> int:
                          "writes wan_peers_outer.json")
     ap.add_argument("--seeds", default=None,
                     help="with --peers: comma-separated seeds (e.g. 0,1,2); every method runs once per seed, default "
-                         "methods torchft DiLoCo and each side's best setting of the --grid run, default 100 Mbit/s; "
-                         "reports each method's mean and spread over the seeds; writes wan_peers_seeds.json")
+                         "methods torchft DiLoCo and each side's best setting of the --grid run, default 100 Mbit/s, "
+                         "every method without the per-round row collective (no time cap); reports each method's "
+                         "mean and spread over the seeds; writes wan_peers_seeds.json")
     ap.add_argument("--bandwidths", default=None, help="Mbit/s, comma separated (default 10,100,1000)")
     ap.add_argument("--methods", default=None, help=f"comma separated subset of {','.join(METHODS)}")
     ap.add_argument("--steps", type=int, default=None, help="inner steps per worker (token budget)")
@@ -520,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.perf_counter()
                 run_dir = runs_dir / (f"seed{seed}" if seeds else "") / f"{bw:g}mbit" / name
                 r = run_one(net, name, bw, dict(job, seed=seed), run_dir, port, cap_s=cap, hard_s=cap * 3 + 180,
-                            code=code, cache=cache)
+                            code=code, cache=cache, barrier_free=bool(seeds))
                 r["seed"] = seed
                 runs.append(r)
                 if r.get("error"):
@@ -716,12 +725,15 @@ def seed_table(summary: dict[str, Any]) -> str:
     then the paired FG-DiLoCo / Streaming DiLoCo loss differences."""
     seeds = summary["seeds"]
     lines = [f"| method | loss @ equal tokens, seeds {', '.join(map(str, seeds))} | mean | spread | "
-             "s to target per seed | mean s |", "|---|---|---:|---:|---|---:|"]
+             "s to target per seed | s to target +1 % per seed | mean | train s, mean | utilisation, mean |",
+             "|---|---|---:|---:|---|---|---:|---:|---:|"]
     for m, row in summary["methods"].items():
-        loss, sec = row["loss_at_equal_tokens"], row["seconds_to_target"]
+        loss, sec, loose = row["loss_at_equal_tokens"], row["seconds_to_target"], row["seconds_to_loose_target"]
         lines.append(f"| {LABEL[m]} | {' / '.join(_fmt(v, 'loss') for v in loss['per_seed'])} | "
                      f"{_fmt(loss['mean'], 'loss')} | {_fmt(loss['spread'], 'loss')} | "
-                     f"{' / '.join(_fmt(v, 's') for v in sec['per_seed'])} | {_fmt(sec['mean'], 's')} |")
+                     f"{' / '.join(_fmt(v, 's') for v in sec['per_seed'])} | "
+                     f"{' / '.join(_fmt(v, 's') for v in loose['per_seed'])} | {_fmt(loose['mean'], 's')} | "
+                     f"{_fmt(row['train_seconds']['mean'], 's')} | {_fmt(row['utilisation']['mean'], 'pct')} |")
     for pair, d in summary["fg_vs_streaming"].items():
         per = " / ".join("-" if r is None else f"{100 * r:+.2f} %" for r in d["relative_loss_difference_per_seed"])
         mean = "-" if d["mean"] is None else f"{100 * d['mean']:+.2f} %"

@@ -235,6 +235,9 @@ def test_seed_summary_gives_each_seeds_value_the_mean_the_spread_and_the_paired_
     fg = s["methods"]["fg-stream-f2-t2"]["loss_at_equal_tokens"]
     assert fg["per_seed"] == [3.0, 3.1, 3.3]
     assert math.isclose(fg["mean"], (3.0 + 3.1 + 3.3) / 3) and math.isclose(fg["spread"], 0.3)
+    times = s["methods"]["fg-stream-f2-t2"]
+    assert times["train_seconds"]["per_seed"] == [18, 18, 18] and times["train_seconds"]["spread"] == 0
+    assert times["seconds_to_loose_target"]["mean"] is not None and times["utilisation"]["mean"] == 0.9
     pair = s["fg_vs_streaming"]["fg-stream-f2-t2 vs torchft-streaming-f2-t2"]
     assert [round(r, 6) for r in pair["relative_loss_difference_per_seed"]] == [round(3.0 / 3.2 - 1, 6),
                                                                                round(3.1 / 3.2 - 1, 6), 0.1]

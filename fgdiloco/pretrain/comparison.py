@@ -367,7 +367,8 @@ def peer_targets(peers_table: dict[str, Any]) -> dict[str, Any]:
 def seed_summary(tables: dict[int, dict[str, Any]], bw: str = "100") -> dict[str, Any]:
     """The same methods under several seeds (``benchmarks.wan --peers --seeds``): ``tables`` maps a seed to its
     :func:`compare` table against torchft DiLoCo (whose final loss is that seed's target). Per method and per
-    measure (held-out loss at equal tokens, seconds to the target, utilisation): the value of each seed, their mean
+    measure (held-out loss at equal tokens, seconds to the target and to the loose target (+1 %), training seconds
+    for the whole token budget, utilisation): the value of each seed, their mean
     and spread (max - min; None where a seed has no value), and, per pair of an FG-DiLoCo and a Streaming DiLoCo
     setting (:data:`FG_GRID`, :data:`STREAMING_GRID`), the loss difference of each seed (FG minus Streaming,
     relative) and its mean: a difference smaller than the spread is not a difference this job can show.
@@ -385,7 +386,8 @@ def seed_summary(tables: dict[int, dict[str, Any]], bw: str = "100") -> dict[str
     out: dict[str, Any] = {"seeds": seeds, "bandwidth_mbit": bw, "methods": {}, "fg_vs_streaming": {}}
     for m in methods:
         row: dict[str, Any] = {}
-        for key in ("loss_at_equal_tokens", "seconds_to_target", "utilisation"):
+        for key in ("loss_at_equal_tokens", "seconds_to_target", "seconds_to_loose_target", "train_seconds",
+                    "utilisation"):
             vals = [tables[s][bw]["methods"][m][key] for s in seeds]
             known = [v for v in vals if v is not None]
             full = len(known) == len(vals)
