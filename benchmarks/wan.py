@@ -590,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     result["targets_100mbit"] = targets(table)
     RESULTS.mkdir(parents=True, exist_ok=True)
     result["plot"] = plot(runs, bandwidths, table, out_path.parent if not args.quick else Path(runs_dir),
-                          name=f"{stem}_loss.png")
+                          name=f"{out_path.stem}_loss.png")
     if result.get("dead_worker_runs"):
         result["plot_dead_worker"] = plot_dead_worker(result["dead_worker_runs"],
                                                       out_path.parent if not args.quick else Path(runs_dir))
