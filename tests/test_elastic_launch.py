@@ -78,6 +78,15 @@ def _log(out: Path, k: int) -> str:
     return p.read_text(errors="replace") if p.exists() else ""
 
 
+def _lives(out: Path) -> str:
+    """Every worker's lives file and the last lines of its log: what an unexpected restart count needs to be read."""
+    parts = []
+    for lives in sorted((out / "logs").glob("worker*.lives")):
+        log = _log(out, int(lives.stem.removeprefix("worker"))).splitlines()
+        parts.append(f"--- {lives.name}\n{lives.read_text()}--- its log's last 40 lines\n" + "\n".join(log[-40:]))
+    return "\n".join(parts)
+
+
 LONGER = ["--rounds", "26", "--sync-every", "20"]  # ~20 s of training after the death; a restart takes 5-13 s here
 
 
@@ -89,7 +98,7 @@ def test_a_worker_that_dies_restarts_rejoins_and_the_job_ends_as_if_uninterrupte
                            "--crash-round", "3", *LONGER))
     # fgdiloco launch says what it started, where the output goes, and how the workers ended
     assert "launch: workers 0..3 of 4 slots on the gossip store" in said and "worker<k>.log" in said, said
-    assert "launch: 4 of 4 workers finished, 1 restart(s) (worker 3: 1)" in said, said
+    assert "launch: 4 of 4 workers finished, 1 restart(s) (worker 3: 1)" in said, said + _lives(tmp_path)
     crash = tmp_path
     hit = _results(crash / "res")
     assert sorted(hit) == [0, 1, 2, 3]
@@ -196,7 +205,7 @@ def test_a_killed_store_is_restarted_a_spare_slot_never_stalls_and_every_life_is
     os.kill(stores[0], signal.SIGKILL)
     said = _finish(proc, timeout=300)
     assert "the gossip store on localhost:" in said and "died (exit -9) and was restarted" in said, said
-    assert "4 of 4 workers finished, 1 restart(s) (worker 2: 1)" in said, said
+    assert "4 of 4 workers finished, 1 restart(s) (worker 2: 1)" in said, said + _lives(tmp_path)
     got = _results(tmp_path / "res")
     assert sorted(got) == [0, 1, 2, 3] and all(w["final_round"] == 80 for w in got.values()), got
     everything = [e for w in got.values() for e in w["errors"]]
@@ -304,7 +313,7 @@ def test_an_elastic_pipeline_replica_that_loses_a_stage_restarts_whole_and_a_hun
         resumed = time.time()
     finally:
         said = _finish(proc)
-    assert "2 of 2 workers finished, 1 restart(s) (worker 1: 1)" in said, said
+    assert "2 of 2 workers finished, 1 restart(s) (worker 1: 1)" in said, said + _lives(tmp_path)
     res = {(w, s): json.loads((tmp_path / "res" / f"worker{w}.stage{s}.json").read_text())
            for w in range(2) for s in range(2)}
     assert {k: (r["life"], r["round"]) for k, r in res.items()} == {

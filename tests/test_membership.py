@@ -549,3 +549,27 @@ def test_a_life_whose_store_is_never_reached_stops_for_good_with_one_line(tmp_pa
     assert proc.stderr.count("[fgdiloco] worker stopped: cannot reach the gossip store") == 1
     events = [json.loads(line) for line in lives.read_text().splitlines()]
     assert [e["event"] for e in events] == ["start", "stop"] and events[1]["kind"] == "store"
+
+
+def test_a_life_that_ends_with_a_gossip_thread_still_running_exits_0_without_interpreter_teardown(tmp_path):
+    # a pair group given up on can still be inside Gloo when the worker is done; interpreter teardown then aborted
+    # the process (exit -6: "terminate called without an active exception") and torchrun restarted a finished
+    # worker. Here an atexit abort stands in for that teardown
+    script = tmp_path / "worker.py"
+    script.write_text("import atexit, os, threading\n"
+                      "from fgdiloco.runtime import Background\n"
+                      "Background(threading.Event().wait, 'meet rank 3 for mix1/0/11')\n"
+                      "atexit.register(os.abort)\n"
+                      "print('results written', flush=True)\n")
+    lives = tmp_path / "lives.jsonl"
+    env = dict(os.environ, FGDILOCO_LIVES_FILE=str(lives), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "fgdiloco.elastic.life", str(script)], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "results written\n"
+    assert "1 gossip thread(s) still running (meet rank 3 for mix1/0/11)" in proc.stderr
+    # and a life without one ends normally: teardown runs (the atexit abort fires)
+    script.write_text("import atexit, os\nimport fgdiloco.runtime\natexit.register(os.abort)\n")
+    proc = subprocess.run([sys.executable, "-m", "fgdiloco.elastic.life", str(script)], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert proc.returncode == -6 and "gossip thread" not in proc.stderr

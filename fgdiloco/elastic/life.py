@@ -9,12 +9,16 @@ been out of reach for ``store_timeout``, or could not be reached at all at start
 :class:`~fgdiloco.elastic.SlotTaken` and :class:`~fgdiloco.elastic.AdmissionError` (another slot count, model or
 job secret than the job's) end the life
 with exit status 0 after one line on stderr and one ``stop`` line in the lives file, which ``fgdiloco launch`` turns
-into its own non-zero exit and message.
+into its own non-zero exit and message. A life that ends with a gossip thread still running (a pair group given up
+on, still inside Gloo until its own timeout) leaves with ``os._exit(0)`` once its output is flushed: interpreter
+teardown with that thread inside Gloo aborted the process ("terminate called without an active exception", exit
+-6), and torchrun restarted a worker that had finished.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import runpy
 import sys
@@ -56,7 +60,22 @@ def main() -> int:
                                            (AdmissionError, "refused")) if isinstance(err, cls))
         print(f"[fgdiloco] worker stopped: {err}", file=sys.stderr, flush=True)
         _note({"event": "stop", "kind": kind, "reason": str(err), "time": time.time()})
+    _leave_without_teardown()
     return 0
+
+
+def _leave_without_teardown() -> None:
+    """``os._exit(0)`` when gossip threads are still running (see the module's docstring); else return."""
+    runtime = sys.modules.get("fgdiloco.runtime")
+    left = runtime.running_background() if runtime is not None else []
+    if not left:
+        return
+    print(f"[fgdiloco] worker done; {len(left)} gossip thread(s) still running ({', '.join(sorted(left)[:3])}) "
+          "are left to the exit", file=sys.stderr, flush=True)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
