@@ -59,6 +59,26 @@ def _sh(argv: list[str], check: bool = True, timeout: float = 20.0) -> subproces
     return r
 
 
+def _cpu_cgroup(name: str, cpus: float, period_us: int = 100_000) -> Path:
+    """A CPU cgroup ``name`` whose processes together get at most ``cpus`` cores (CFS bandwidth control), made
+    fresh; cgroup v2 (``cpu.max``) where the unified hierarchy has the cpu controller, else v1's cpu hierarchy."""
+    quota = max(1000, int(cpus * period_us))
+    v2, v1 = Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/cpu")
+    controllers = v2 / "cgroup.controllers"
+    if controllers.is_file() and "cpu" in controllers.read_text().split():
+        cg = v2 / name
+        cg.mkdir(exist_ok=True)
+        (cg / "cpu.max").write_text(f"{quota} {period_us}")
+        return cg
+    if not (v1 / "cpu.cfs_quota_us").is_file():
+        raise RuntimeError("cpus_per_worker needs CFS bandwidth control (cgroup v1 cpu or v2 cpu.max), found none")
+    cg = v1 / name
+    cg.mkdir(exist_ok=True)
+    (cg / "cpu.cfs_period_us").write_text(str(period_us))
+    (cg / "cpu.cfs_quota_us").write_text(str(quota))
+    return cg
+
+
 def existing_namespaces(prefix: str = PREFIX) -> list[str]:
     out = _ip("netns", "list", check=False).stdout
     return [line.split()[0] for line in out.splitlines() if line.strip().startswith(prefix)]
@@ -118,12 +138,20 @@ class NetnsCluster:
             there).
         burst: tbf ``burst`` (bytes, or None for ``max(64 KiB, rate × 4 ms)``).
         latency_ms: tbf ``latency``: the longest a packet may wait in the shaper's queue (sets the queue size).
+        cpus_per_worker: CPU cores each worker namespace's processes may use together (a CFS quota per worker:
+            cgroup v1 ``cpu.cfs_quota_us`` or v2 ``cpu.max``), or None for no limit. With more workers than cores
+            an unlimited worker that waits for the network lends its core to the others, so waiting costs a method
+            less here than on a host of its own; a quota takes that loan away: each worker is a host of
+            ``cpus_per_worker`` cores.
     """
 
     def __init__(self, n: int, rate_mbit: float = 100.0, *, tag: str | None = None, subnet: str = "10.213.0",
-                 burst: int | None = None, latency_ms: float = 50.0):
+                 burst: int | None = None, latency_ms: float = 50.0, cpus_per_worker: float | None = None):
         if not 1 <= n <= 250:
             raise ValueError(f"n must be in [1, 250], got {n}")
+        if cpus_per_worker is not None and not 0.01 <= cpus_per_worker <= (os.cpu_count() or 1):
+            raise ValueError(f"cpus_per_worker must be None or in [0.01, {os.cpu_count()}] cores, got "
+                             f"{cpus_per_worker!r}")
         parts = subnet.split(".")
         if len(parts) != 3 or not all(p.isdigit() and 0 <= int(p) <= 255 for p in parts):
             raise ValueError(f"subnet must be three octets like '10.213.0', got {subnet!r}")
@@ -143,6 +171,8 @@ class NetnsCluster:
         self.ifnames = [f"{self.tag}w{i}" for i in range(n)]
         self.bridge_ifnames = [f"{self.tag}b{i}" for i in range(n)]
         self.addrs = [f"{subnet}.{i + 1}" for i in range(n)]
+        self.cpus_per_worker = cpus_per_worker
+        self.cgroups: list[Path] = []
         self._procs: list[subprocess.Popen] = []
         self._up = False
 
@@ -171,6 +201,8 @@ class NetnsCluster:
                 _ip("-n", br, "link", "set", bif, "master", "br0")
                 _ip("-n", br, "link", "set", bif, "up")
             self.set_rate(self.rate_mbit)
+            if self.cpus_per_worker is not None:
+                self.cgroups = [_cpu_cgroup(ns, self.cpus_per_worker) for ns in self.names]
         except BaseException:
             self.down()
             raise
@@ -186,6 +218,10 @@ class NetnsCluster:
             with contextlib.suppress(Exception):
                 p.wait(timeout=5)
         self._procs = []
+        for cg in self.cgroups:
+            with contextlib.suppress(OSError):  # empty once its processes are gone
+                cg.rmdir()
+        self.cgroups = []
         if self._up:
             cleanup(self.tag + "-")
             self._up = False
@@ -221,8 +257,13 @@ class NetnsCluster:
         return (a.strip() + " | " + b.strip()).strip()
 
     # ------------------------------------------------------------------ running things inside
-    def argv(self, i: int, argv: list[str]) -> list[str]:
-        return ["ip", "netns", "exec", self.names[i], *argv]
+    def argv(self, i: int, argv: list[str], *, quota: bool = True) -> list[str]:
+        """``argv`` run inside worker ``i``'s namespace and, with ``cpus_per_worker`` and ``quota``, its CPU
+        cgroup (entered before ``exec``, so every thread and child the process makes is in it too)."""
+        inside = ["ip", "netns", "exec", self.names[i], *argv]
+        if not (quota and self.cgroups):
+            return inside
+        return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.cgroups[i] / "cgroup.procs"), *inside]
 
     def dist_env(self, i: int, port: int = 29500) -> dict[str, str]:
         """torchrun-style environment for worker ``i`` of an ``n``-rank Gloo job across the namespaces."""
@@ -230,11 +271,13 @@ class NetnsCluster:
                 "GROUP_RANK": str(i), "MASTER_ADDR": self.addrs[0], "MASTER_PORT": str(port),
                 "GLOO_SOCKET_IFNAME": self.ifnames[i], "TP_SOCKET_IFNAME": self.ifnames[i]}
 
-    def popen(self, i: int, argv: list[str], *, env: dict[str, str] | None = None, **kw: Any) -> subprocess.Popen:
-        """Start ``argv`` inside worker ``i``'s namespace (own session; killed by :meth:`down`)."""
+    def popen(self, i: int, argv: list[str], *, env: dict[str, str] | None = None, quota: bool = True,
+              **kw: Any) -> subprocess.Popen:
+        """Start ``argv`` inside worker ``i``'s namespace (own session; killed by :meth:`down`); ``quota``: in its
+        CPU cgroup too, when the cluster has ``cpus_per_worker``."""
         full_env = dict(os.environ)
         full_env.update(env or {})
-        p = subprocess.Popen(self.argv(i, argv), env=full_env, start_new_session=True, **kw)
+        p = subprocess.Popen(self.argv(i, argv, quota=quota), env=full_env, start_new_session=True, **kw)
         self._procs.append(p)
         return p
 

@@ -342,7 +342,8 @@ def run_one(net: Any, name: str, bw: float, job: dict[str, Any], run_dir: Path, 
         # the lighthouse listens on worker 0's address only: reachable inside the namespaces, nowhere else
         lh_log = open(run_dir / "lighthouse.log", "w")  # noqa: SIM115 - closed below
         lighthouse = (net.popen(0, [lighthouse_binary(), "--bind", f"{net.addrs[0]}:{lh_port}", "--min_replicas",
-                                    str(peer["min_replicas"])], stdout=lh_log, stderr=subprocess.STDOUT), lh_log)
+                                    str(peer["min_replicas"])], stdout=lh_log, stderr=subprocess.STDOUT,
+                                   quota=False), lh_log)  # a service of the job's, not worker 0's work
     expected = {fault["die_rank"]: DIED_EXIT_CODE} if fault else {}
     for i in range(job["workers"]):
         env = {**env_common, **net.dist_env(i, port), "FGDB_ADDR": net.addrs[i]}
@@ -423,6 +424,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="training-time cap per run (a capped run reports the tokens it reached)")
     ap.add_argument("--sensitivity-h", type=int, default=None,
                     help="also run DiLoCo and FG-DiLoCo (LowRank, r2=1) at 100 Mbit/s with this H (full run: 20)")
+    ap.add_argument("--cpus-per-worker", type=float, default=None,
+                    help="CPU cores each worker's processes may use (a CFS quota per worker namespace), e.g. 0.45 for "
+                         "4 workers on 2 cores: each worker is then a host of its own, and one that waits for the "
+                         "network no longer lends its core to the others (default: no limit)")
     ap.add_argument("--out", default=None, help="JSON output (default benchmarks/results/wan.json)")
     ap.add_argument("--runs-dir", default="/tmp/fgdiloco-wan", help="per-run outputs (metrics.jsonl, logs)")
     ap.add_argument("--reanalyse", metavar="JSON", help="recompute tables, targets and the plot of a finished run")
@@ -515,9 +520,9 @@ def main(argv: list[str] | None = None) -> int:
     extra_h = args.sensitivity_h if args.sensitivity_h is not None else (None if args.quick or args.peers else 20)
     sens_runs: list[dict[str, Any]] = []
     port = 29400
-    with NetnsCluster(job["workers"], rate_mbit=bandwidths[0]) as net:
+    with NetnsCluster(job["workers"], rate_mbit=bandwidths[0], cpus_per_worker=args.cpus_per_worker) as net:
         result["network"] = {"namespaces": net.names, "addresses": net.addrs, "isolation": net.isolation_check(),
-                             "rtt": net.measure_rtt(), "shaping_check": []}
+                             "rtt": net.measure_rtt(), "shaping_check": [], "cpus_per_worker": args.cpus_per_worker}
         for seed, bw in [(seed, bw) for seed in (seeds or [job["seed"]]) for bw in bandwidths]:
             net.set_rate(bw)
             chk = net.measure_throughput(0, 1, seconds=1.5 if args.quick else 2.0)
