@@ -237,6 +237,36 @@ def test_an_absent_slot_is_skipped_at_once(store):
     a.close()
 
 
+def test_a_process_that_has_not_started_a_round_is_skipped_at_once_once_the_job_is_past_round_0(store):
+    """A restarted worker loading its checkpoint or waiting for a peer's state beats but will enter a later round:
+    its partners skip it at once instead of waiting their join deadline (CI: a 20 s timeout at a rejoin). At round 0
+    everyone is joining and is waited for."""
+    a, b = _transport(store, 0, 2), _transport(store, 1, 2)
+    assert a.membership.gone(1, time.monotonic()) is None  # round 0: b is waited for
+    a.membership.publish_round(5)
+    a.membership.mark_joined()
+    assert a.membership.gone(1, time.monotonic()) == "joining"
+    t0 = time.monotonic()
+    with pytest.raises(PeerDeclined, match="joining the job"):
+        a.open(1, key="k", timeout=10.0)
+    assert time.monotonic() - t0 < 1.0
+    assert b.membership.gone(0, time.monotonic()) is None  # a has started a round: b waits for it
+    b.membership.publish_round(5)
+    b.membership.mark_joined()
+    assert a.membership.gone(1, time.monotonic()) is None
+    out = {}
+    tb = threading.Thread(target=lambda: out.setdefault("b", b.exchange(0, b"from b", key="k2", timeout=10)))
+    tb.start()
+    out["a"] = a.exchange(1, b"from a", key="k2", timeout=10)
+    tb.join()
+    assert out == {"a": b"from b", "b": b"from a"}
+    assert a.membership.returned(1) is False  # first sight of b's incarnation
+    b.close()
+    b2 = _transport(store, 1, 2)  # its restart is joining again: a new incarnation that has not started a round
+    assert a.membership.returned(1) is True and a.membership.gone(1, time.monotonic()) == "joining"
+    a.close(), b2.close()
+
+
 def test_a_peer_whose_replica_has_a_hung_stage_is_gone_after_liveness_though_its_own_heartbeat_beats(store):
     """2 pipeline replicas x 2 stages, each stage gossiping in its own job. Replica 0's stage 0 hangs (its heartbeat
     stops); its stage 1 still beats (blocked in the pipeline, it never comes to its exchange). Replica 1's stage 1

@@ -8,6 +8,10 @@
   both sides' incarnations (:meth:`ElasticMembership.prefix`), so a restarted worker never meets what its dead
   predecessor left behind, and its peers reset their back-off for it as soon as they see the new incarnation
   (:meth:`ElasticMembership.returned`).
+* **Joining.** A process that took a slot counts as *joining* until it starts its first outer round (it may be
+  importing, loading its checkpoint or waiting for a peer's state for seconds): once the job is past round 0, its
+  peers skip their exchanges with it at once instead of waiting their join deadline for a worker that will enter a
+  later round (``joined``: the incarnation that started a round). At round 0 everyone is joining and is waited for.
 * **Published rounds.** Every worker publishes the outer round it starts; the *live round* is the newest any slot
   reached. A worker that restarted, hung, or joins late enters the job there (:mod:`fgdiloco.elastic.rejoin`).
 * **State for joiners.** A worker without state of its own asks for one (:meth:`ElasticMembership.request_state`);
@@ -58,7 +62,7 @@ class StoreNotReached(StoreUnreachable, TimeoutError):
     :class:`StoreUnreachable` (a life of ``fgdiloco launch`` stops for good instead of being restarted by torchrun
     to wait again) and, as documented before, a ``TimeoutError``."""
 
-_KINDS = ("alive", "left", "incarnation", "round", "suspect")  # per-slot counters, made for every slot at once
+_KINDS = ("alive", "left", "incarnation", "round", "suspect", "joined")  # per-slot counters, made for every slot
 
 
 def read_counters(store: dist.Store, keys: Sequence[str]) -> list[int]:
@@ -113,6 +117,7 @@ class ElasticMembership(StoreMembership):
         #: set on reconnecting: the next round start joins the live round even one round behind
         self.resync = False
         self.round_now = 0  # the round this worker is in (published again to a restarted store)
+        self._joined = False  # whether this process has started an outer round (see mark_joined)
         super().__init__(store, rank, world_size, namespace, liveness=liveness, store_timeout=store_timeout,
                          siblings=siblings)
 
@@ -165,7 +170,17 @@ class ElasticMembership(StoreMembership):
         now = store.add(self._key("incarnation", peer), 0)  # 0: a restarted store the peer has not refilled yet
         if now not in (0, self._incarnation_of(peer)):
             return "restarted"
+        if now and self.round_now > 0 and store.add(self._key("joined", peer), 0) != now:
+            return "joining"
         return None
+
+    def mark_joined(self) -> None:
+        """Tell the job that this process has started its first outer round: its peers exchange with it from now
+        on (until then they skip it at once, see the module docstring). Idempotent."""
+        self._joined = True
+        with self.stores.lease() as store:
+            key = self._key("joined", self.rank)
+            store.add(key, self.incarnation - store.add(key, 0))
 
     def returned(self, peer: int) -> bool:
         with self.stores.lease() as store:
@@ -275,7 +290,8 @@ class ElasticMembership(StoreMembership):
             store.compare_set(key, "", value)
         self._make_slots(store)
         store.compare_set(self._key("owner", self.rank), "", self._owner)
-        for kind, value in (("incarnation", self.incarnation), ("round", self.round_now)):
+        own = [("incarnation", self.incarnation), ("round", self.round_now)]  # joined first: never seen "joining"
+        for kind, value in ([("joined", self.incarnation)] if self._joined else []) + own:
             key = self._key(kind, self.rank)
             self._published = store.add(key, value - store.add(key, 0))
         with self._lock:

@@ -64,10 +64,11 @@ def before_round(membership: Any, outer: Any, agree: Callable[[list[int]], list[
     if membership.unreachable:
         return
     membership.resync = False
-    membership._joined = True
     membership.serve(outer.committed_state)
     with contextlib.suppress(Exception):  # a store we cannot reach: peers see an older round
         membership.publish_round(outer.round)
+    if not joined:
+        _mark_joined(membership)
 
 
 def rejoin(membership: Any, outer: Any) -> None:
@@ -76,7 +77,17 @@ def rejoin(membership: Any, outer: Any) -> None:
     live = _catch_up_target(membership, outer, 1)
     if live >= 0:
         _enter(membership, outer, live, adopt=_stale(outer, live))
-    membership._joined = True
+    _mark_joined(membership)
+
+
+def _mark_joined(membership: Any) -> None:
+    """This process starts its rounds now: its peers stop skipping it (a store we cannot reach: the next round
+    start tries again)."""
+    try:
+        membership.mark_joined()
+    except Exception as err:  # noqa: BLE001 - retried at the next round start
+        log.debug("fgdiloco: could not post that this worker joined: %s", err)
+        membership._joined = False
 
 
 def _stale(outer: Any, live: int) -> bool:

@@ -79,6 +79,7 @@ _GONE_MESSAGES = {
     "abandoned": (PeerDeclined, "declined: the peer gave up the exchange"),
     "absent": (PeerDeclined, "skipped: the peer's slot has no worker (it never joined)"),
     "restarted": (PeerDeclined, "skipped: the peer restarted (a new process took its slot)"),
+    "joining": (PeerDeclined, "skipped: the peer is joining the job (it has not started an outer round yet)"),
 }
 
 

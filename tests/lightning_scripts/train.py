@@ -357,7 +357,14 @@ def main(argv: list[str] | None = None) -> None:
             p.error("--resume-latest needs --ckpt-dir")
         found = sorted(Path(args.ckpt_dir).glob("*.ckpt"), key=lambda f: f.stat().st_mtime)
         resume = str(found[-1]) if found else None
-    trainer.fit(model, ckpt_path=resume)
+    try:
+        trainer.fit(model, ckpt_path=resume)
+    except BaseException as err:
+        # what ended this rank, in a file of its own: the ranks' tracebacks share one pipe, where a traceback longer
+        # than the pipe's atomic write (4 KiB) can be cut by another rank's lines
+        os.makedirs(args.out, exist_ok=True)
+        Path(args.out, f"rank{trainer.global_rank}.error").write_text(f"{type(err).__name__}: {err}")
+        raise
 
     fgd = trainer.strategy.fgdiloco
     out = {
