@@ -581,25 +581,41 @@ def test_a_life_whose_store_is_never_reached_stops_for_good_with_one_line(tmp_pa
     assert [e["event"] for e in events] == ["start", "stop"] and events[1]["kind"] == "store"
 
 
-def test_a_life_that_ends_with_a_gossip_thread_still_running_exits_0_without_interpreter_teardown(tmp_path):
-    # a pair group given up on can still be inside Gloo when the worker is done; interpreter teardown then aborted
-    # the process (exit -6: "terminate called without an active exception") and torchrun restarted a finished
-    # worker. Here an atexit abort stands in for that teardown
+def test_a_life_whose_script_returned_exits_0_after_its_exit_handlers_without_interpreter_teardown(tmp_path):
+    # a pair group given up on can still be inside Gloo when the worker is done (forsaken: the exit drain no longer
+    # counts it); interpreter teardown then aborted the process (exit -6: "terminate called without an active
+    # exception") and torchrun restarted a finished worker. Here an object whose __del__ aborts, held where only
+    # teardown releases it, stands in for that teardown
+    probe = ("import atexit, builtins, os\n"
+             "class _Teardown:\n"
+             "    def __del__(self, abort=os.abort):\n"
+             "        abort()\n"
+             "builtins._teardown_probe = _Teardown()\n"
+             "atexit.register(print, 'exit handlers ran', flush=True)\n")
     script = tmp_path / "worker.py"
-    script.write_text("import atexit, os, threading\n"
-                      "from fgdiloco.runtime import Background\n"
-                      "Background(threading.Event().wait, 'meet rank 3 for mix1/0/11')\n"
-                      "atexit.register(os.abort)\n"
-                      "print('results written', flush=True)\n")
     lives = tmp_path / "lives.jsonl"
     env = dict(os.environ, FGDILOCO_LIVES_FILE=str(lives), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "fgdiloco.elastic.life", str(script)], capture_output=True,
-                          text=True, env=env, timeout=120)
+
+    def life(body: str) -> subprocess.CompletedProcess:
+        script.write_text(probe + body)
+        return subprocess.run([sys.executable, "-m", "fgdiloco.elastic.life", str(script)], capture_output=True,
+                              text=True, env=env, timeout=120)
+
+    proc = life("import threading\n"
+                "from fgdiloco.runtime import Background\n"
+                "Background(threading.Event().wait, 'meet rank 3 for mix1/0/11').forsake()\n"
+                "print('results written', flush=True)\n")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == "results written\n"
-    assert "1 gossip thread(s) still running (meet rank 3 for mix1/0/11)" in proc.stderr
-    # and a life without one ends normally: teardown runs (the atexit abort fires)
-    script.write_text("import atexit, os\nimport fgdiloco.runtime\natexit.register(os.abort)\n")
+    assert proc.stdout == "results written\nexit handlers ran\n"
+    assert "1 gossip thread(s) still running (fgdiloco-meet rank 3 for mix1/0/11)" in proc.stderr
+    # without a thread left, and through the script's own sys.exit(0): the same exit
+    proc = life("import sys\nimport fgdiloco.runtime\nsys.exit(0)\n")
+    assert (proc.returncode, proc.stdout) == (0, "exit handlers ran\n") and "gossip thread" not in proc.stderr
+    # a script that fails keeps its status (torchrun restarts it)
+    script.write_text("import sys\nsys.exit(3)\n")
     proc = subprocess.run([sys.executable, "-m", "fgdiloco.elastic.life", str(script)], capture_output=True,
                           text=True, env=env, timeout=120)
-    assert proc.returncode == -6 and "gossip thread" not in proc.stderr
+    assert proc.returncode == 3
+    assert len([ln for ln in lives.read_text().splitlines() if '"start"' in ln]) == 3
+
+

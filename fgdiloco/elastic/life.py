@@ -9,19 +9,27 @@ been out of reach for ``store_timeout``, or could not be reached at all at start
 :class:`~fgdiloco.elastic.SlotTaken` and :class:`~fgdiloco.elastic.AdmissionError` (another slot count, model or
 job secret than the job's) end the life
 with exit status 0 after one line on stderr and one ``stop`` line in the lives file, which ``fgdiloco launch`` turns
-into its own non-zero exit and message. A life that ends with a gossip thread still running (a pair group given up
-on, still inside Gloo until its own timeout) leaves with ``os._exit(0)`` once its output is flushed: interpreter
-teardown with that thread inside Gloo aborted the process ("terminate called without an active exception", exit
--6), and torchrun restarted a worker that had finished.
+into its own non-zero exit and message.
+
+A life whose script has returned leaves without interpreter teardown: it waits for the script's non-daemon threads,
+runs the exit handlers (fgdiloco's exit drain among them: wrappers not closed are closed, exchanges still running
+get their deadline), collects garbage (files still open are closed), flushes its output and calls ``os._exit(0)``.
+Teardown with a daemon thread still inside Gloo or c10d (a pair group given up on, forsaken until its own timeout,
+or a thread of the library's own) aborted the process ("terminate called without an active exception", exit -6),
+and torchrun restarted a worker that had finished: seen in CI with a forsaken set-up that the exit drain no longer
+counted.
 """
 
 from __future__ import annotations
 
+import atexit
+import gc
 import json
 import logging
 import os
 import runpy
 import sys
+import threading
 import time
 
 LIVES_ENV = "FGDILOCO_LIVES_FILE"  # as fgdiloco.elastic.launch sets it (this module is not imported by the package)
@@ -51,6 +59,9 @@ def main() -> int:
            "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))})
     try:
         _run(sys.argv[1:])
+    except SystemExit as done:  # the script's own sys.exit(): a success leaves as a return does
+        if done.code not in (None, 0):
+            raise
     except Exception as err:
         from . import AdmissionError, SlotTaken, StoreUnreachable
 
@@ -65,13 +76,18 @@ def main() -> int:
 
 
 def _leave_without_teardown() -> None:
-    """``os._exit(0)`` when gossip threads are still running (see the module's docstring); else return."""
+    """End the process as teardown would, without teardown (see the module's docstring): non-daemon threads joined,
+    exit handlers run, garbage collected, output flushed, then ``os._exit(0)``."""
+    for t in threading.enumerate():
+        if t is not threading.current_thread() and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()  # CPython's own exit-handler runner (what teardown calls first)
+    gc.collect()
     runtime = sys.modules.get("fgdiloco.runtime")
-    left = runtime.running_background() if runtime is not None else []
-    if not left:
-        return
-    print(f"[fgdiloco] worker done; {len(left)} gossip thread(s) still running ({', '.join(sorted(left)[:3])}) "
-          "are left to the exit", file=sys.stderr, flush=True)
+    left = [t.name for t in threading.enumerate() if t.daemon and t.name.startswith("fgdiloco-")]
+    if runtime is not None and left:
+        print(f"[fgdiloco] worker done; {len(left)} gossip thread(s) still running ({', '.join(sorted(left)[:3])}) "
+              "are left to the exit", file=sys.stderr, flush=True)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
