@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import fgdiloco.gossip.mix
 from fgdiloco import BF16, Dense, FGDiLoCo, Int8, LowRank
 from fgdiloco.factor import HEADER_SIZE, FrameError, decode_frame, encode_frame, layout_fingerprint
-from fgdiloco.factor.frame import _CRC, _HEADER, FLAG_SHUFFLE, FLAG_ZSTD, TAG_SIZE
+from fgdiloco.factor.frame import _CRC, _HEADER, FLAG_SHUFFLE, FLAG_ZSTD, TAG_SIZE, _shuffle, _unshuffle
 from fgdiloco.testing import run_ranks
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -90,6 +90,19 @@ def test_a_valid_frame_decodes_to_what_the_sender_holds(name, compress):
     # bytes-like inputs work too
     for a, b in zip(_decode(name, memoryview(bytearray(data))), _reference(name)):
         assert torch.equal(a, b)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=300), st.integers(1, 8))
+def test_the_byte_plane_shuffle_is_the_transposed_layout_and_unshuffle_inverts_it(raw, itemsize):
+    """The wire layout of a shuffled payload: byte k of every element for k = 0 .. itemsize - 1 (the transpose of
+    the elements' bytes), then the bytes left over; unshuffle restores the input exactly, for any length."""
+    import numpy as np
+
+    n = len(raw) // itemsize * itemsize
+    planes = np.frombuffer(raw[:n], dtype=np.uint8).reshape(-1, itemsize).T.tobytes()
+    assert _shuffle(raw, itemsize) == planes + raw[n:]
+    assert _unshuffle(_shuffle(raw, itemsize), itemsize) == raw
 
 
 def test_frame_size_is_header_plus_payload_and_shuffle_pays_for_floats():

@@ -129,16 +129,25 @@ def layout_fingerprint(layout: Iterable[tuple[str, Sequence[int], torch.dtype | 
 
 
 def _shuffle(raw: bytes, itemsize: int) -> bytes:
+    """Byte planes: byte k of every ``itemsize``-byte element, for k = 0 .. itemsize - 1, then the tail."""
     a = np.frombuffer(raw, dtype=np.uint8)
     n = len(a) // itemsize * itemsize
-    planes = a[:n].reshape(-1, itemsize).T.copy()
-    return planes.tobytes() + a[n:].tobytes()
+    out = np.empty(n, dtype=np.uint8)
+    planes = out.reshape(itemsize, -1)
+    for k in range(itemsize):  # one strided read per plane: a transposed copy with a short inner axis is 6x slower
+        planes[k] = a[k:n:itemsize]
+    return out.tobytes() + a[n:].tobytes()
 
 
 def _unshuffle(raw: bytes, itemsize: int) -> bytes:
+    """The inverse of :func:`_shuffle`."""
     a = np.frombuffer(raw, dtype=np.uint8)
     n = len(a) // itemsize * itemsize
-    return a[:n].reshape(itemsize, -1).T.copy().tobytes() + a[n:].tobytes()
+    out = np.empty(n, dtype=np.uint8)
+    planes = a[:n].reshape(itemsize, -1)
+    for k in range(itemsize):
+        out[k::itemsize] = planes[k]
+    return out.tobytes() + a[n:].tobytes()
 
 
 def encode_frame(
