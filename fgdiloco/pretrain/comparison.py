@@ -54,6 +54,9 @@ METHODS: dict[str, dict[str, Any]] = {
     "fg-dense-r2=1": {"topology": "random", "codec": "dense", "mix2_rounds": 1},
     "fg-lowrank-r2=0": {"topology": "random", "codec": "lowrank", "codec_rank": 4, "mix2_rounds": 0},
     "fg-lowrank-r2=1": {"topology": "random", "codec": "lowrank", "codec_rank": 4, "mix2_rounds": 1},
+    # the overlap without fragments: Mix2 starts tau = 2 inner steps before the outer step (F = 1)
+    "fg-lowrank-t2": {"topology": "random", "codec": "lowrank", "codec_rank": 4, "mix2_rounds": 1,
+                      "overlap_steps": 2},
     # FG-DiLoCo with Streaming DiLoCo's fragments (F = 2), its overlap (tau = 2 inner steps) and its merge
     # (alpha = 0.5): the tuning grid of benchmarks.wan --peers (F = 4 does not divide H = 10)
     "fg-stream-f2": {"topology": "random", "codec": "lowrank", "codec_rank": 4, "mix2_rounds": 1, "fragments": 2},
@@ -69,6 +72,8 @@ METHODS: dict[str, dict[str, Any]] = {
     # the local fragment (Streaming DiLoCo's tau and alpha). should_quantize stays off: torchft's quantised
     # all-reduce is Triton (GPU) code and without Triton torchft silently sends fp32 anyway.
     "torchft-diloco": {"peer": {"backend": "torchft", "fragments": 1}},
+    # torchft DiLoCo with Streaming DiLoCo's overlap and no fragments: the all-reduce starts 2 steps early
+    "torchft-diloco-t2": {"peer": {"backend": "torchft", "fragments": 1, "fragment_sync_delay": 2}},
     "torchft-streaming": {"peer": {"backend": "torchft", "fragments": 2, "fragment_sync_delay": 2,
                                    "fragment_update_alpha": 0.5}},
     # the same grid for Streaming DiLoCo (torchft-streaming above is its F = 2, tau = 2, alpha = 0.5 point)
@@ -77,8 +82,10 @@ METHODS: dict[str, dict[str, Any]] = {
     "torchft-streaming-f2-a0.5": {"peer": {"backend": "torchft", "fragments": 2, "fragment_update_alpha": 0.5}},
 }
 #: the tuning grid, per side: the methods each side's best setting is chosen from (:func:`peer_targets`)
-FG_GRID = ("fg-lowrank-r2=1", "fg-stream-f2", "fg-stream-f2-t2", "fg-stream-f2-a0.5", "fg-stream-f2-t2-a0.5")
-STREAMING_GRID = ("torchft-streaming", "torchft-streaming-f2", "torchft-streaming-f2-t2", "torchft-streaming-f2-a0.5")
+FG_GRID = ("fg-lowrank-r2=1", "fg-lowrank-t2", "fg-stream-f2", "fg-stream-f2-t2", "fg-stream-f2-a0.5",
+           "fg-stream-f2-t2-a0.5")
+STREAMING_GRID = ("torchft-streaming", "torchft-diloco-t2", "torchft-streaming-f2", "torchft-streaming-f2-t2",
+                  "torchft-streaming-f2-a0.5")
 #: the methods --peers adds to the default set
 PEERS = ("torchft-diloco", "torchft-streaming")
 #: --outer-grid: (outer lr, outer momentum) points run for each side's best setting of the F/tau/alpha grid (the
@@ -92,11 +99,13 @@ FAMILY = {"ddp": "ddp", "diloco": "diloco", "localsgd": "localsgd", "torchft-dil
 LABEL = {"ddp": "DDP (per step)", "diloco": "DiLoCo", "localsgd": "post-local SGD (PyTorch)",
          "fg-dense-r2=0": "FG-DiLoCo dense, r2=0", "fg-dense-r2=1": "FG-DiLoCo dense, r2=1",
          "fg-lowrank-r2=0": "FG-DiLoCo LowRank r4 int8, r2=0", "fg-lowrank-r2=1": "FG-DiLoCo LowRank r4 int8, r2=1",
+         "fg-lowrank-t2": "FG-DiLoCo LowRank r4, tau=2",
          "fg-stream-f2": "FG-DiLoCo LowRank r4, F=2",
          "fg-stream-f2-t2": "FG-DiLoCo LowRank r4, F=2, tau=2",
          "fg-stream-f2-a0.5": "FG-DiLoCo LowRank r4, F=2, alpha=0.5",
          "fg-stream-f2-t2-a0.5": "FG-DiLoCo LowRank r4, F=2, tau=2, alpha=0.5",
-         "torchft-diloco": "torchft DiLoCo", "torchft-streaming": "torchft Streaming DiLoCo (F=2, tau=2, alpha=0.5)",
+         "torchft-diloco": "torchft DiLoCo", "torchft-diloco-t2": "torchft DiLoCo (tau=2)",
+         "torchft-streaming": "torchft Streaming DiLoCo (F=2, tau=2, alpha=0.5)",
          "torchft-streaming-f2": "torchft Streaming DiLoCo (F=2)",
          "torchft-streaming-f2-t2": "torchft Streaming DiLoCo (F=2, tau=2)",
          "torchft-streaming-f2-a0.5": "torchft Streaming DiLoCo (F=2, alpha=0.5)"}
