@@ -797,7 +797,7 @@ def test_a_checkpoint_from_before_the_gate_loads_with_the_gate_open():
     assert len(old) == len(model.split(2)[1].state_dict()) - 1
     last = model.split(2)[1]
     last.load_state_dict(old)
-    assert float(last.stage_embedding.gate) == 1.0
+    assert float(last.stage_embedding.gate.detach()) == 1.0
     x, idx = torch.randn(2, 16, 32), torch.randint(0, cfg.vocab_size, (2, 16))
     torch.testing.assert_close(last.stage_embedding.admit(x, last.E_fix[idx]), x, rtol=0, atol=1e-6)
 

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .codec import Codec, CodecError, Message, PairOutcome, PairSession, _all_finite, register_codec
+from .codec import Codec, CodecError, Message, PairOutcome, PairSession, _all_finite, register_codec, sq_norm
 from .quantize import DEFAULT_BLOCK, _check_block, dequantize_int8, int8_nscales, quantize_int8
 
 __all__ = ["LowRank"]
@@ -432,7 +432,7 @@ class LowRank(Codec):
         for k, g in enumerate(groups):  # the order of the B message
             mine, sent = own_b[k], b_rows[k]
             diff = peer_b[k].to(mine.device) - mine  # B_j − B_i; the peer computes its exact negation
-            floor_sq += float(torch.sum((mine.double() - sent.double()) ** 2))
+            floor_sq += sq_norm(mine - sent)
             b = len(g.indices)
             if g.factored:
                 d3 = diff.view(b, g.rank, g.n)
@@ -445,7 +445,7 @@ class LowRank(Codec):
                 c = 0.5 * d3
             for j, i in enumerate(g.indices):
                 correction[i] = c[j].reshape(shapes[i])
-                dist_sq[i] = float(torch.sum(d3[j].double() ** 2))
+                dist_sq[i] = sq_norm(d3[j])
 
         def commit() -> None:
             if self._shapes is None:

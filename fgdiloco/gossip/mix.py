@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import FGDiLoCoConfig
-from ..factor.codec import Codec, CodecError, PairOutcome
+from ..factor.codec import Codec, CodecError, PairOutcome, sq_norm
 from ..factor.frame import FrameError, decode_frame, encode_frame
 from ..runtime import Background, ExchangeError, supervise
 from .topology import GROUP, IDLE, PAIR, Topology
@@ -364,7 +364,7 @@ class Mixer:
         self.health.success(peer)
         if res.distance_sq is None:
             res.distance_sq = outcome.distance_sq
-            res.norm_sq = [float(torch.sum(v.double() ** 2)) for v in values]
+            res.norm_sq = [sq_norm(v) for v in values]
         res.values = [v + c.to(device=v.device, dtype=v.dtype) for v, c in zip(values, outcome.correction)]
         outcome.commit()
         return outcome.floor
@@ -429,8 +429,8 @@ class Mixer:
     def _check_scale(self, reply: Sequence[torch.Tensor], own: Sequence[torch.Tensor], peer: int, key: str) -> None:
         """Raise :class:`_OutOfScale` when ``‖reply‖ > max_ratio·‖own‖ + SCALE_EPS·√n``."""
         n = sum(t.numel() for t in own)
-        peer_norm = math.sqrt(sum(float(torch.sum(t.double() ** 2)) for t in reply))
-        own_norm = math.sqrt(sum(float(torch.sum(t.double() ** 2)) for t in own))
+        peer_norm = math.sqrt(sum(sq_norm(t) for t in reply))
+        own_norm = math.sqrt(sum(sq_norm(t) for t in own))
         bound = self.max_ratio * own_norm + SCALE_EPS * math.sqrt(n)
         if peer_norm > bound:
             raise _OutOfScale(f"rejected values from rank {peer} in {key}: norm {peer_norm:.3g} is out of scale "
@@ -509,7 +509,7 @@ class Mixer:
             res.bytes_received += sum(len(d) for d in digests) - len(mine)
             if all(d == mine for d in digests):
                 res.distance_sq = [0.0] * len(values)
-                res.norm_sq = [float(torch.sum(v.double() ** 2)) for v in values]
+                res.norm_sq = [sq_norm(v) for v in values]
                 return True
             res.resynced = True
             log.warning("fgdiloco %s: replicas differ (digests %s): averaging them exactly", self.name,
@@ -521,8 +521,8 @@ class Mixer:
         if mean is None:
             return False
         if res.distance_sq is None:
-            res.distance_sq = [2.0 * float(torch.sum((v.double() - mu.double()) ** 2)) for v, mu in zip(values, mean)]
-            res.norm_sq = [float(torch.sum(v.double() ** 2)) for v in values]
+            res.distance_sq = [2.0 * sq_norm(v - mu.to(v.device)) for v, mu in zip(values, mean)]
+            res.norm_sq = [sq_norm(v) for v in values]
         res.values = mean
         return True
 
