@@ -336,6 +336,34 @@ def test_a_returned_peer_is_out_of_back_off(store):
     b2.close()
 
 
+def test_a_mixer_drops_what_it_prepared_for_a_peer_that_restarted_though_another_mixer_noticed_first(store):
+    """Mix1 and Mix2 of one worker share its membership, which reports a restarted peer once, to whichever asks
+    first. Mix1 prepared its exchange (a hello loop under the old incarnation's keys) before the peer restarted;
+    Mix2 noticed the return. Mix1 still drops its stale set-up and meets the new process at once (CI: a full join
+    timeout with each partner of a rejoined worker, and that worker's own round stalled as long)."""
+    a, b = _transport(store, 0, 2), _transport(store, 1, 2)
+    topology = make_topology("random", 2, 0)
+    mix1 = Mixer("mix1", topology, a, Dense(), 1, b"\0" * 8, 8.0, health=PeerHealth())
+    mix2 = Mixer("mix2", topology, a, Dense(), 1, b"\0" * 8, 8.0, health=PeerHealth())
+    mix1.prepare(1)  # under b's first incarnation: b never answers it
+    b.close()
+    b2 = _transport(store, 1, 2)
+    assert mix2._returned(1) is True  # the membership's one report of the return goes to Mix2
+    theirs = Mixer("mix1", topology, b2, Dense(), 1, b"\0" * 8, 8.0, health=PeerHealth())
+    mine_values, their_values = [torch.zeros(4)], [torch.full((4,), 2.0)]
+    out = {}
+    tb = threading.Thread(target=lambda: out.setdefault("b", theirs.run(their_values, 1)))
+    t0 = time.monotonic()
+    tb.start()
+    out["a"] = mix1.run(mine_values, 1)
+    tb.join()
+    assert time.monotonic() - t0 < 4.0  # not the 8 s join timeout
+    for res in out.values():
+        assert (res.failed, res.skipped, res.exchanges) == (0, 0, 1), res.errors
+        assert torch.equal(res.values[0], torch.ones(4))  # the pair's average
+    a.close(), b2.close()
+
+
 def test_rounds_are_published_and_the_live_round_is_the_newest(store):
     ms = [_transport(store, r, 3).membership for r in range(3)]
     assert ms[0].live_round() == 0

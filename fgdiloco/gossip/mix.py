@@ -227,7 +227,9 @@ class Mixer:
         self.secret = secret
         self.max_ratio = max_ratio
         self.generation = 0
-        self._prepared: dict[str, tuple[int, int]] = {}  # exchange key -> (peer, the membership's epoch then)
+        # exchange key -> (peer, the membership's epoch then, the store prefix it was set up under)
+        self._prepared: dict[str, tuple[int, int, str]] = {}
+        self._views: dict[int, str] = {}  # peer -> the incarnations this mixer last paired under (a prefix)
         self._durations: deque[float] = deque(maxlen=DEADLINE_SAMPLES)
 
     def deadline(self) -> float:
@@ -263,16 +265,27 @@ class Mixer:
             if step.kind == PAIR and not self.health.skip(step.peer, outer_round) \
                     and not self.transport.membership.has_left(step.peer):
                 key = self._key(idx)
+                membership = self.transport.membership
                 self.transport.prepare(step.peer, key=key, timeout=self.join_timeout)
-                self._prepared[key] = (step.peer, self.transport.membership.epoch)
+                self._prepared[key] = (step.peer, membership.epoch, membership.prefix(step.peer, key))
 
     def _returned(self, peer: int) -> bool:
-        """A peer that came back as a new process starts with a clean slate: its back-off is reset."""
+        """A peer that came back as a new process starts with a clean slate: its back-off is reset.
+
+        ``membership.returned`` says so once per return, to whichever mixer of the worker asks first; the worker's
+        other mixers (Mix1 and Mix2 share one membership) see it as the change of the incarnations they pair
+        under. CI: Mix2 noticed a restarted peer first, and Mix1 kept the hello loop it had prepared under the old
+        incarnation, which the new process never answers: a full join timeout with each of its partners."""
+        membership = self.transport.membership
         try:
-            back = self.transport.membership.returned(peer)
+            back = membership.returned(peer)
+            view = membership.prefix(peer, "")
         except Exception as err:  # noqa: BLE001 - a store we cannot reach: the exchange finds out
             log.debug("fgdiloco %s: could not check rank %d's incarnation: %s", self.name, peer, err)
             return False
+        seen = self._views.get(peer)
+        self._views[peer] = view
+        back = back or (seen is not None and seen != view)
         if back:
             log.warning("fgdiloco %s: rank %d came back (a new process); pairing with it again", self.name, peer)
             self.health.success(peer)
@@ -282,7 +295,7 @@ class Mixer:
         """Give up every exchange set up by :meth:`prepare` and not run (a checkpoint was loaded, or the worker
         leaves): the peers' exchanges fail at once instead of waiting for their deadline."""
         prepared, self._prepared = self._prepared, {}
-        for key, (peer, _) in prepared.items():
+        for key, (peer, *_) in prepared.items():
             try:
                 self.transport.discard(peer, key=key)
             except Exception as err:  # noqa: BLE001 - a store we cannot reach: the peer times out as before
@@ -335,7 +348,8 @@ class Mixer:
         membership = self.transport.membership
         back = not membership.unreachable and self._returned(peer)  # before back-off: a new process is not to blame
         reason = self._no_exchange(peer, key, prepared is not None, outer_round)
-        if reason is None and prepared is not None and (back or prepared[1] != membership.epoch):
+        if reason is None and prepared is not None and (back or prepared[1] != membership.epoch
+                                                         or prepared[2] != membership.prefix(peer, key)):
             # set up for the peer's previous process, or over connections to a store that has been replaced
             self.transport.discard(peer, key=key)
         if reason is not None:
