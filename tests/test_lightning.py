@@ -343,9 +343,11 @@ def _launch_dying(out: Path, *args: str, devices: int, timeout: float = 120.0):
     return _run_until_all_exit(cmd, out, timeout)
 
 
-# 3 processes x 2000 steps: far longer than the bounds below, so the job cannot simply have finished (with 400
-# steps the survivors, which skip the departed rank, finished the epoch before Lightning's 5 s observer looked)
-LONG_RUN = ("--sync-every", "5", "--samples", "48000", "--timeout", "30")
+# 3 processes x 20000 steps: far longer than the bounds below, so the job cannot simply have finished (with 400
+# steps the survivors, which skip the departed rank, finished the epoch before Lightning's 5 s observer looked;
+# with 2000, a survivor left alone on the machine's 2 cores, at about 1.5 ms a step, finished the run before its
+# 3 s store_timeout had passed: CI)
+LONG_RUN = ("--sync-every", "5", "--samples", "480000", "--timeout", "30")
 
 
 @pytest.mark.slow
