@@ -83,9 +83,8 @@ def _leave_without_teardown() -> None:
             t.join()
     atexit._run_exitfuncs()  # CPython's own exit-handler runner (what teardown calls first)
     gc.collect()
-    runtime = sys.modules.get("fgdiloco.runtime")
     left = [t.name for t in threading.enumerate() if t.daemon and t.name.startswith("fgdiloco-")]
-    if runtime is not None and left:
+    if left:
         print(f"[fgdiloco] worker done; {len(left)} gossip thread(s) still running ({', '.join(sorted(left)[:3])}) "
               "are left to the exit", file=sys.stderr, flush=True)
     logging.shutdown()

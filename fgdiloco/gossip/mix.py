@@ -227,8 +227,7 @@ class Mixer:
         self.secret = secret
         self.max_ratio = max_ratio
         self.generation = 0
-        # exchange key -> (peer, the membership's epoch then, the store prefix it was set up under)
-        self._prepared: dict[str, tuple[int, int, str]] = {}
+        self._prepared: dict[str, tuple[int, int]] = {}  # exchange key -> (peer, the membership's epoch then)
         self._views: dict[int, str] = {}  # peer -> the incarnations this mixer last paired under (a prefix)
         self._durations: deque[float] = deque(maxlen=DEADLINE_SAMPLES)
 
@@ -265,9 +264,8 @@ class Mixer:
             if step.kind == PAIR and not self.health.skip(step.peer, outer_round) \
                     and not self.transport.membership.has_left(step.peer):
                 key = self._key(idx)
-                membership = self.transport.membership
                 self.transport.prepare(step.peer, key=key, timeout=self.join_timeout)
-                self._prepared[key] = (step.peer, membership.epoch, membership.prefix(step.peer, key))
+                self._prepared[key] = (step.peer, self.transport.membership.epoch)
 
     def _returned(self, peer: int) -> bool:
         """A peer that came back as a new process starts with a clean slate: its back-off is reset.
@@ -295,7 +293,7 @@ class Mixer:
         """Give up every exchange set up by :meth:`prepare` and not run (a checkpoint was loaded, or the worker
         leaves): the peers' exchanges fail at once instead of waiting for their deadline."""
         prepared, self._prepared = self._prepared, {}
-        for key, (peer, *_) in prepared.items():
+        for key, (peer, _) in prepared.items():
             try:
                 self.transport.discard(peer, key=key)
             except Exception as err:  # noqa: BLE001 - a store we cannot reach: the peer times out as before
@@ -348,8 +346,7 @@ class Mixer:
         membership = self.transport.membership
         back = not membership.unreachable and self._returned(peer)  # before back-off: a new process is not to blame
         reason = self._no_exchange(peer, key, prepared is not None, outer_round)
-        if reason is None and prepared is not None and (back or prepared[1] != membership.epoch
-                                                         or prepared[2] != membership.prefix(peer, key)):
+        if reason is None and prepared is not None and (back or prepared[1] != membership.epoch):
             # set up for the peer's previous process, or over connections to a store that has been replaced
             self.transport.discard(peer, key=key)
         if reason is not None:
