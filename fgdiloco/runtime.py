@@ -7,8 +7,8 @@ Every thread fgdiloco starts is started in this module:
 * :class:`Service`: a long-lived loop run every ``period`` seconds until stopped (the membership's heartbeat).
 
 One pairwise exchange is watched by **one** loop, :func:`supervise`: until the peer's first payload it waits at
-most the join deadline and polls a ``watch`` callback (is the peer gone, has it moved on?) every
-:data:`WATCH_SECONDS`; once the first payload came it waits at most the exchange deadline. The thread doing the
+most the join deadline, once the first payload came at most the exchange deadline, and throughout it polls a
+``watch`` callback (is the peer gone, has it moved on?) every :data:`WATCH_SECONDS`. The thread doing the
 exchange itself only blocks on the network (Gloo's own timeout is the same deadline), never polls.
 
 Process exit. A daemon thread still inside a Gloo call when the interpreter exits aborts the process ("terminate
@@ -135,13 +135,15 @@ def call_with_deadline(fn: Callable[[], T], timeout: float, what: str) -> T:
 
 
 def supervise(job: Background, *, join_deadline: float, exchange_deadline: float, met: list[float],
-              watch: Callable[[float], None], what: str) -> Any:
+              watch: Callable[[float, bool], None], what: str) -> Any:
     """Wait for the exchange running in ``job``: the one supervision loop of an exchange.
 
     Until the peer's first payload (``met`` is empty; the exchange appends the time it came) the wait is at most
-    ``join_deadline`` seconds and ``watch(t0)`` is called every :data:`WATCH_SECONDS` (it raises when the peer will
-    not come: it left, its heartbeat stopped, it moved on); after it, at most ``exchange_deadline`` seconds from
-    that payload. Returns ``job``'s value.
+    ``join_deadline`` seconds; after it, at most ``exchange_deadline`` seconds from that payload. Throughout,
+    ``watch(t0, talking)`` is called every :data:`WATCH_SECONDS` (``talking``: the first payload has come); it
+    raises when the peer will not come or will not finish: it left, its heartbeat stopped (a peer hung or killed
+    in the middle of a conversation costs the liveness check, not the whole deadline), it moved on. Returns
+    ``job``'s value.
 
     Raises:
         ExchangeError: the deadline passed, ``watch`` raised one, or ``job`` failed (wrapped).
@@ -155,8 +157,7 @@ def supervise(job: Background, *, join_deadline: float, exchange_deadline: float
                                 + (f" ({exchange_deadline:.1f} s deadline after the first payload)" if met else ""))
         if job.wait(min(limit - now, WATCH_SECONDS)):
             break
-        if not met:
-            watch(t0)
+        watch(t0, bool(met))
     try:
         return job.result()
     except ExchangeError:

@@ -482,6 +482,50 @@ def test_a_worker_dying_inside_mix2_costs_the_survivors_one_deadline_and_no_exch
     assert any(res[k]["errors"][j] for k in (0, 1) for j in range(DIE_ROUND, rounds))
 
 
+HANG_ROUND = 1  # early: fewer than DEADLINE_MIN_SAMPLES (5) exchanges measured, so the deadline is the full 30 s
+assert HANG_ROUND < DEADLINE_MIN_SAMPLES
+
+
+def _hangs(rank: int, world: int, rounds: int) -> dict:
+    opt = _opt(topology="random", seed=5, timeout=30.0, liveness=2.0, sync_every=2)
+    if rank == 1:  # SIGSTOPs itself inside its Mix2 conversation of HANG_ROUND, after the first payload
+        real = opt.codec.pair_session
+
+        def hanging(values, *, lower):
+            session = real(values, lower=lower)
+            reply = yield next(session)  # the first message went both ways: the peer is talking with us
+            if opt.round >= HANG_ROUND:
+                os.kill(os.getpid(), signal.SIGSTOP)  # hung for good (run_ranks kills it at the end)
+            try:
+                while True:
+                    reply = yield session.send(reply)
+            except StopIteration as stop:
+                return stop.value
+
+        opt.codec.pair_session = hanging
+    blocked, errors = [], []
+    for r in range(rounds):
+        _train(opt, rank, 2 * r, 2 * (r + 1))
+        blocked.append(opt.last_round.mix2_seconds)
+        errors.append(opt.last_round.errors)
+    out = {"blocked": blocked, "errors": errors, "deadline": opt.last_round.deadline_seconds}
+    opt.close()
+    return out
+
+
+def test_a_peer_hung_in_the_middle_of_a_conversation_costs_its_partner_the_liveness_not_the_deadline(tmp_path):
+    """The supervision loop watches the peer's heartbeat for the whole exchange: a peer SIGSTOPped after its first
+    payload, while the conversation's deadline is still the 30 s exchange timeout, is given up after the 2 s
+    liveness (it waited the 30 s before)."""
+    res = run_ranks(_hangs, 2, tmp_path, HANG_ROUND + 3, timeout=120, allow_missing=(1,), store="tcp")
+    survivor = res[0]
+    assert res[1] is None
+    hang = survivor["blocked"][HANG_ROUND]
+    assert 2.0 <= hang < 6.0, survivor["blocked"]  # the liveness (2 s) and a few looks, not 30 s
+    assert any("no heartbeat" in e and "rank 1" in e for e in survivor["errors"][HANG_ROUND]), survivor["errors"]
+    assert max(survivor["blocked"][HANG_ROUND + 1:]) < 1.0, survivor["blocked"]  # back-off: no more waiting
+
+
 def test_job_secret_comes_from_the_environment_or_a_file(tmp_path):
     from fgdiloco.factor import job_secret
 

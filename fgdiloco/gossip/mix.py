@@ -360,9 +360,9 @@ class Mixer:
         what = f"{self.name} exchange {key} with rank {peer}"
         job = Background(lambda: self._converse(peer, key, idx, values, counts, deadline, met), what)
         try:
-            outcome: PairOutcome = supervise(job, join_deadline=self.join_timeout, exchange_deadline=deadline,
-                                             met=met, watch=lambda t0: self._watch(peer, key, t0, outer_round, what),
-                                             what=what)
+            outcome: PairOutcome = supervise(
+                job, join_deadline=self.join_timeout, exchange_deadline=deadline, met=met, what=what,
+                watch=lambda t0, talking: self._watch(peer, key, t0, outer_round, what, talking))
         except ExchangeError as e:
             if isinstance(e, (PeerGone, PeerDeclined)) and not job.done():
                 job.forsake()  # its peer will not finish it: the exit drain does not wait for its Gloo deadline
@@ -395,13 +395,15 @@ class Mixer:
             return f"rank {peer} skipped (back-off after failures)"
         return None
 
-    def _watch(self, peer: int, key: str, since: float, outer_round: int, what: str) -> None:
-        """Raise when ``peer`` will not come to the exchange ``key`` of ``outer_round``: it left, gave the exchange
-        up, its heartbeat stopped (the membership's verdicts), or it has started a later outer round (an elastic
-        peer that rejoined ahead). Polled by the supervision loop until the peer's first payload."""
+    def _watch(self, peer: int, key: str, since: float, outer_round: int, what: str, talking: bool) -> None:
+        """Raise when ``peer`` will not come to (or finish) the exchange ``key`` of ``outer_round``: it left, gave
+        the exchange up, its heartbeat stopped (the membership's verdicts), or, before its first payload
+        (``talking`` False), it has started a later outer round (an elastic peer that rejoined ahead; one that is
+        talking may start its next round while a background Mix1 of this one still runs). Polled by the
+        supervision loop for the whole exchange."""
         try:
             gone = "abandoned" if self.transport.abandoned(peer, key) else self.transport.membership.gone(peer, since)
-            ahead = self.transport.membership.peer_round(peer) if gone is None else None
+            ahead = self.transport.membership.peer_round(peer) if gone is None and not talking else None
         except ExchangeError:
             raise
         except Exception as err:  # noqa: BLE001 - c10d's errors for a store that is gone

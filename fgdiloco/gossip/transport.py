@@ -405,7 +405,7 @@ class DistributedTransport(Transport):
                 pg, other = pending.job.result()
             else:
                 pg, other = supervise(pending.job, join_deadline=timeout, exchange_deadline=timeout, met=[],
-                                      watch=lambda t0: self._watch(peer, key, t0), what=f"{key} with rank {peer}")
+                                      watch=lambda t0, _: self._watch(peer, key, t0), what=f"{key} with rank {peer}")
         except ExchangeError:
             if not supervised:
                 pending.cancel.set()
