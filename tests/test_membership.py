@@ -101,6 +101,7 @@ def test_connect_waits_a_bounded_time_for_the_first_workers_and_names_the_missin
     a = connect(store.address, 0, 2, wait=10)
     t.join()
     assert (a.rank, got[1].rank, a.world_size) == (0, 1, 2)
+    assert a.membership.cohort and got[1].membership.cohort  # both passed the start barrier at round 0
     assert a.membership.incarnation == 2  # the first attempt above registered slot 0 once already
     with pytest.raises(ValueError, match="has 2 slots"):
         connect(store.address, 0, 3, wait=1)
@@ -119,7 +120,61 @@ def test_a_worker_that_finds_the_job_past_round_0_does_not_wait_for_the_first_wo
     t0 = time.monotonic()
     b = connect(store.address, 1, 3, min_workers=3, wait=20.0)
     assert time.monotonic() - t0 < 5.0
+    assert not b.membership.cohort  # a late joiner: at its first round start it enters the live round
     a.close(), b.close()
+
+
+class _StartingMembership:
+    """What :func:`fgdiloco.elastic.rejoin.before_round` asks of a membership: peers at fixed rounds."""
+
+    def __init__(self, cohort: bool, rounds: dict[int, int]):
+        self._joined, self.cohort, self.resync, self.unreachable, self.rounds = False, cohort, False, False, rounds
+        self.published = None
+
+    def too_long_away(self) -> bool:
+        return False
+
+    def live_round(self) -> int:
+        return max(self.rounds.values())
+
+    def peer_rounds(self) -> dict[int, int]:
+        return dict(self.rounds)
+
+    def serve(self, source) -> None:
+        pass
+
+    def publish_round(self, outer_round: int) -> None:
+        self.published = outer_round
+
+    def mark_joined(self) -> None:
+        self._joined = True
+
+
+class _Outer:
+    def __init__(self):
+        self.round, self.fresh, self.rank, self.steps_in_round = 0, False, 3, 0
+
+    def committed_state(self):
+        return None
+
+    def jump(self, live: int) -> None:
+        self.round = live
+
+
+@pytest.mark.parametrize("cohort, rounds, entered", [
+    (True, {0: 1, 1: 0, 2: 1}, 0),   # a first worker whose partners are a round further starts round 0 (waited for)
+    (False, {0: 1, 1: 0, 2: 1}, 1),  # a late joiner (or a restart) enters the live round
+    (True, {0: 3, 1: 3, 2: 4}, 3),   # a first worker CATCH_UP_ROUNDS behind the median catches up, as a joined one
+])
+def test_a_first_worker_starting_a_round_late_is_not_taken_for_a_late_joiner(cohort, rounds, entered):
+    """A first worker of the job (it passed the start barrier at round 0) whose set-up ended a round after its
+    partners' (the pinned elastic run, on a loaded machine: 0.11 s of start skew against 80 ms rounds) took a live
+    peer's state and skipped round 0, so the trajectory depended on timing; now it starts round 0."""
+    from fgdiloco.elastic.rejoin import before_round
+
+    m, outer = _StartingMembership(cohort, rounds), _Outer()
+    before_round(m, outer)
+    assert (outer.round, m.published, m._joined) == (entered, entered, True)
 
 
 @pytest.mark.slow

@@ -137,8 +137,9 @@ def connect(address: str | None = None, worker: int | None = None, workers: int 
     transport = DistributedTransport(membership=membership, join_timeout=timeout, liveness=liveness)
     t0, want, wait = time.monotonic(), int(s["min_workers"]), timeout if wait is None else wait
     while True:
-        joined = membership.joined()
-        if len(joined) >= want or (membership.live_round() or 0) > 0:
+        joined, live = membership.joined(), membership.live_round() or 0
+        membership.cohort = live == 0  # one of the job's first workers (decided at the last look)
+        if len(joined) >= want or live > 0:
             break  # enough slots joined, or the job is past round 0: a restart or a late joiner waits for no one
         if time.monotonic() - t0 > wait:
             missing = sorted(set(range(int(s["workers"]))) - set(joined))

@@ -118,6 +118,11 @@ class ElasticMembership(StoreMembership):
         self.resync = False
         self.round_now = 0  # the round this worker is in (published again to a restarted store)
         self._joined = False  # whether this process has started an outer round (see mark_joined)
+        #: set by :func:`~fgdiloco.elastic.connect`: this worker passed the start barrier while the job was at round 0
+        #: (one of its first workers); at its first round start it is treated as joined, so a start a round later
+        #: than its partners' (a slower set-up) is waited for instead of making it enter the live round with a
+        #: peer's state
+        self.cohort = False
         super().__init__(store, rank, world_size, namespace, liveness=liveness, store_timeout=store_timeout,
                          siblings=siblings)
 

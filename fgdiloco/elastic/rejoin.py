@@ -3,12 +3,14 @@
 Called by :class:`~fgdiloco.elastic.ElasticMembership` before every outer round (:func:`before_round`) and by
 ``FGDiLoCo.rejoin`` (:func:`rejoin`), with the wrapper's :class:`~fgdiloco.outer.state.OuterState`:
 
-* a worker that has not joined yet enters at the live round (the newest any slot started) when that is ahead of
-  its own; without state of its own (``outer.fresh``: no checkpoint loaded), or with a checkpoint
-  :data:`ADOPT_ROUNDS` or more rounds older than the live round (it restarted late, its peers trained on), it first
-  adopts a live peer's round-start parameters and outer momentum (one checked, authenticated frame, answered by the
-  first live peer to claim the request), so it does not pull its partners back to an older model; its own inner
-  optimizer state and data position stay. A checkpoint a round or two old is kept: its rounds are not lost;
+* a worker that has not joined yet (a restart, a late joiner; not one of the job's first workers, which passed the start
+  barrier at round 0 and start round 0 even when their partners are a round further) enters at the live round (the
+  newest any slot started) when that is ahead of its own; without state of its own (``outer.fresh``: no checkpoint
+  loaded), or with a checkpoint :data:`ADOPT_ROUNDS` or more rounds older than the live round (it restarted late, its
+  peers trained on), it first adopts a live peer's round-start parameters and outer momentum (one checked, authenticated
+  frame, answered by the first live peer to claim the request), so it does not pull its partners back to an older model;
+  its own inner optimizer state and data position stay. A checkpoint a round or two old is kept: its rounds are not
+  lost;
 * a joined worker that finds itself :data:`CATCH_UP_ROUNDS` behind the peers' *median* round (it hung, or its peers
   went on without it) jumps to the live round, starting it from its own parameters. The median, not the newest: a
   worker that lost a few seconds to a dead peer while two others went on is waited for, not moved;
@@ -50,7 +52,8 @@ def before_round(membership: Any, outer: Any, agree: Callable[[list[int]], list[
     """
     agree = agree or (lambda values: values)
     joined = getattr(membership, "_joined", False)
-    behind = 1 if not joined or getattr(membership, "resync", False) else CATCH_UP_ROUNDS
+    first = not joined and not getattr(membership, "cohort", False)  # a restart or a late joiner, not a first worker
+    behind = 1 if first or getattr(membership, "resync", False) else CATCH_UP_ROUNDS
     stop = membership.too_long_away()
     target = -1 if stop or membership.unreachable else _catch_up_target(membership, outer, behind)
     stop_all, target = agree([int(stop), target])
