@@ -57,6 +57,12 @@ METHODS: dict[str, dict[str, Any]] = {
     # the overlap without fragments: Mix2 starts tau = 2 inner steps before the outer step (F = 1)
     "fg-lowrank-t2": {"topology": "random", "codec": "lowrank", "codec_rank": 4, "mix2_rounds": 1,
                       "overlap_steps": 2},
+    # Mix1 without the outer momentum (mix_momentum=False): half of Mix1's bytes and CPU; each worker's momentum
+    # follows its own mixed pseudo-gradients
+    "fg-lowrank-nm": {"topology": "random", "codec": "lowrank", "codec_rank": 4, "mix2_rounds": 1,
+                      "mix_momentum": False},
+    "fg-lowrank-t2-nm": {"topology": "random", "codec": "lowrank", "codec_rank": 4, "mix2_rounds": 1,
+                         "overlap_steps": 2, "mix_momentum": False},
     # FG-DiLoCo with Streaming DiLoCo's fragments (F = 2), its overlap (tau = 2 inner steps) and its merge
     # (alpha = 0.5): the tuning grid of benchmarks.wan --peers (F = 4 does not divide H = 10)
     "fg-stream-f2": {"topology": "random", "codec": "lowrank", "codec_rank": 4, "mix2_rounds": 1, "fragments": 2},
@@ -82,8 +88,8 @@ METHODS: dict[str, dict[str, Any]] = {
     "torchft-streaming-f2-a0.5": {"peer": {"backend": "torchft", "fragments": 2, "fragment_update_alpha": 0.5}},
 }
 #: the tuning grid, per side: the methods each side's best setting is chosen from (:func:`peer_targets`)
-FG_GRID = ("fg-lowrank-r2=1", "fg-lowrank-t2", "fg-stream-f2", "fg-stream-f2-t2", "fg-stream-f2-a0.5",
-           "fg-stream-f2-t2-a0.5")
+FG_GRID = ("fg-lowrank-r2=1", "fg-lowrank-t2", "fg-lowrank-nm", "fg-lowrank-t2-nm", "fg-stream-f2", "fg-stream-f2-t2",
+           "fg-stream-f2-a0.5", "fg-stream-f2-t2-a0.5")
 STREAMING_GRID = ("torchft-streaming", "torchft-diloco-t2", "torchft-streaming-f2", "torchft-streaming-f2-t2",
                   "torchft-streaming-f2-a0.5")
 #: the methods --peers adds to the default set
@@ -100,6 +106,8 @@ LABEL = {"ddp": "DDP (per step)", "diloco": "DiLoCo", "localsgd": "post-local SG
          "fg-dense-r2=0": "FG-DiLoCo dense, r2=0", "fg-dense-r2=1": "FG-DiLoCo dense, r2=1",
          "fg-lowrank-r2=0": "FG-DiLoCo LowRank r4 int8, r2=0", "fg-lowrank-r2=1": "FG-DiLoCo LowRank r4 int8, r2=1",
          "fg-lowrank-t2": "FG-DiLoCo LowRank r4, tau=2",
+         "fg-lowrank-nm": "FG-DiLoCo LowRank r4, Mix1 without momentum",
+         "fg-lowrank-t2-nm": "FG-DiLoCo LowRank r4, tau=2, Mix1 without momentum",
          "fg-stream-f2": "FG-DiLoCo LowRank r4, F=2",
          "fg-stream-f2-t2": "FG-DiLoCo LowRank r4, F=2, tau=2",
          "fg-stream-f2-a0.5": "FG-DiLoCo LowRank r4, F=2, alpha=0.5",
