@@ -73,6 +73,8 @@ VARIANTS: dict[str, dict] = {
     "FG dense, exponential, mix1_rounds=2, mix2_rounds=2": dict(codec="dense", mix1_codec="dense",
                                                                 topology="exponential", mix1_rounds=2,
                                                                 mix2_rounds=2),
+    "FG lowrank, tau=2": dict(codec=lambda: LowRank(rank=4), overlap_steps=2),
+    "FG lowrank, tau=2, local momentum": dict(codec=lambda: LowRank(rank=4), overlap_steps=2, mix_momentum=False),
     "FG lowrank, F=2": dict(codec=lambda: LowRank(rank=4), fragments=2),
     "FG lowrank, F=2, alpha=0.5": dict(codec=lambda: LowRank(rank=4), fragments=2, merge_alpha=0.5),
     "FG lowrank, F=2, tau=2": dict(codec=lambda: LowRank(rank=4), fragments=2, overlap_steps=2),
