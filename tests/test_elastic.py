@@ -430,31 +430,39 @@ def test_a_worker_stopped_by_sigterm_announces_its_departure(tmp_path):
     assert any(r["errors"][k] for r in res[:2] for k in range(at + 1, rounds))
 
 
+def _after_first_message(opt: FGDiLoCo, from_round: int, fault) -> None:
+    """Make ``opt``'s Mix2 codec call ``fault()`` in every conversation from outer round ``from_round`` on, once its
+    first message has gone both ways (the peer has had our first payload: it is talking with us)."""
+    real = opt.codec.pair_session
+
+    def session_with_fault(values, *, lower):
+        session = real(values, lower=lower)
+        reply = yield next(session)
+        if opt.round >= from_round:
+            fault()
+        try:
+            while True:
+                reply = yield session.send(reply)
+        except StopIteration as stop:
+            return stop.value
+
+    opt.codec.pair_session = session_with_fault
+
+
 DIE_ROUND = 14  # late enough for the deadline to be measured (5 Mix2 exchanges) on both survivors
 
 
 def _dies(rank: int, world: int, rounds: int, death_file: str) -> dict:
     opt = _opt(topology="random", seed=11, timeout=30.0, outer_momentum=0.5, sync_every=2)
     if rank == 2:  # dies inside its first Mix2 exchange from DIE_ROUND on, after the first payload
-        real = opt.codec.pair_session
 
-        def dying(values, *, lower):
-            session = real(values, lower=lower)
-            msg = next(session)
-            if opt.round >= DIE_ROUND:
-                yield msg
-                with open(death_file + ".tmp", "w") as f:
-                    f.write(repr(time.time()))
-                os.replace(death_file + ".tmp", death_file)
-                os._exit(0)
-            reply = yield msg
-            try:
-                while True:
-                    reply = yield session.send(reply)
-            except StopIteration as stop:
-                return stop.value
+        def die() -> None:
+            with open(death_file + ".tmp", "w") as f:
+                f.write(repr(time.time()))
+            os.replace(death_file + ".tmp", death_file)
+            os._exit(0)
 
-        opt.codec.pair_session = dying
+        _after_first_message(opt, DIE_ROUND, die)
     errors, deadlines = [], []
     for r in range(rounds):
         _train(opt, rank, 2 * r, 2 * (r + 1))
@@ -489,26 +497,14 @@ assert HANG_ROUND < DEADLINE_MIN_SAMPLES
 def _hangs(rank: int, world: int, rounds: int) -> dict:
     opt = _opt(topology="random", seed=5, timeout=30.0, liveness=2.0, sync_every=2)
     if rank == 1:  # SIGSTOPs itself inside its Mix2 conversation of HANG_ROUND, after the first payload
-        real = opt.codec.pair_session
-
-        def hanging(values, *, lower):
-            session = real(values, lower=lower)
-            reply = yield next(session)  # the first message went both ways: the peer is talking with us
-            if opt.round >= HANG_ROUND:
-                os.kill(os.getpid(), signal.SIGSTOP)  # hung for good (run_ranks kills it at the end)
-            try:
-                while True:
-                    reply = yield session.send(reply)
-            except StopIteration as stop:
-                return stop.value
-
-        opt.codec.pair_session = hanging
+        # hung for good (run_ranks kills it at the end)
+        _after_first_message(opt, HANG_ROUND, lambda: os.kill(os.getpid(), signal.SIGSTOP))
     blocked, errors = [], []
     for r in range(rounds):
         _train(opt, rank, 2 * r, 2 * (r + 1))
         blocked.append(opt.last_round.mix2_seconds)
         errors.append(opt.last_round.errors)
-    out = {"blocked": blocked, "errors": errors, "deadline": opt.last_round.deadline_seconds}
+    out = {"blocked": blocked, "errors": errors}
     opt.close()
     return out
 
