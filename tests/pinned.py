@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -128,7 +129,8 @@ def lightning(tmp: str) -> list[Any]:
             for r in results]
 
 
-def _elastic_worker(rank: int, world: int, address: str) -> list[dict[str, Any]]:
+def _elastic_worker(rank: int, world: int, address: str, slow: int = -1, seconds: float = 0.0
+                    ) -> list[dict[str, Any]]:
     os.environ.update({"FGDILOCO_STORE": address, "FGDILOCO_WORKER": str(rank), "FGDILOCO_WORKERS": str(world),
                        "FGDILOCO_JOB": "pinned"})
     from fgdiloco import FGDiLoCo
@@ -137,6 +139,8 @@ def _elastic_worker(rank: int, world: int, address: str) -> list[dict[str, Any]]
     model = make_model(seed=0)
     opt = FGDiLoCo(model, torch.optim.AdamW(model.parameters(), lr=INNER_LR), sync_every=H, timeout=30.0,
                    elastic=True, seed=2, codec="dense")
+    if rank == slow:
+        time.sleep(seconds)  # the fault: a set-up that ends this long after the start barrier
     try:
         return _train_rounds(opt, model, rank)
     finally:

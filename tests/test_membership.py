@@ -101,7 +101,11 @@ def test_connect_waits_a_bounded_time_for_the_first_workers_and_names_the_missin
     a = connect(store.address, 0, 2, wait=10)
     t.join()
     assert (a.rank, got[1].rank, a.world_size) == (0, 1, 2)
-    assert a.membership.cohort and got[1].membership.cohort  # both passed the start barrier at round 0
+    # both passed the start barrier at round 0: joined from now on, so a partner in round 1 waits for either
+    assert a.membership._joined and got[1].membership._joined
+    a.membership.round_now = 1
+    with a.membership.stores.lease() as s:
+        assert a.membership._slot_verdict(s, 1, 1) is None  # not "joining": its partners exchange with it
     assert a.membership.incarnation == 2  # the first attempt above registered slot 0 once already
     with pytest.raises(ValueError, match="has 2 slots"):
         connect(store.address, 0, 3, wait=1)
@@ -120,15 +124,17 @@ def test_a_worker_that_finds_the_job_past_round_0_does_not_wait_for_the_first_wo
     t0 = time.monotonic()
     b = connect(store.address, 1, 3, min_workers=3, wait=20.0)
     assert time.monotonic() - t0 < 5.0
-    assert not b.membership.cohort  # a late joiner: at its first round start it enters the live round
+    assert not b.membership._joined  # a late joiner: at its first round start it enters the live round
+    with a.membership.stores.lease() as s:
+        assert a.membership._slot_verdict(s, 1, 1) == "joining"  # skipped by its peers until then
     a.close(), b.close()
 
 
 class _StartingMembership:
     """What :func:`fgdiloco.elastic.rejoin.before_round` asks of a membership: peers at fixed rounds."""
 
-    def __init__(self, cohort: bool, rounds: dict[int, int]):
-        self._joined, self.cohort, self.resync, self.unreachable, self.rounds = False, cohort, False, False, rounds
+    def __init__(self, joined: bool, rounds: dict[int, int]):
+        self._joined, self.resync, self.unreachable, self.rounds = joined, False, False, rounds
         self.published = None
 
     def too_long_away(self) -> bool:
@@ -161,20 +167,24 @@ class _Outer:
         self.round = live
 
 
-@pytest.mark.parametrize("cohort, rounds, entered", [
+@pytest.mark.parametrize("call", ["before_round", "rejoin"])
+@pytest.mark.parametrize("joined, rounds, entered", [
     (True, {0: 1, 1: 0, 2: 1}, 0),   # a first worker whose partners are a round further starts round 0 (waited for)
     (False, {0: 1, 1: 0, 2: 1}, 1),  # a late joiner (or a restart) enters the live round
     (True, {0: 3, 1: 3, 2: 4}, 3),   # a first worker CATCH_UP_ROUNDS behind the median catches up, as a joined one
 ])
-def test_a_first_worker_starting_a_round_late_is_not_taken_for_a_late_joiner(cohort, rounds, entered):
-    """A first worker of the job (it passed the start barrier at round 0) whose set-up ended a round after its
-    partners' (the pinned elastic run, on a loaded machine: 0.11 s of start skew against 80 ms rounds) took a live
-    peer's state and skipped round 0, so the trajectory depended on timing; now it starts round 0."""
-    from fgdiloco.elastic.rejoin import before_round
+def test_a_first_worker_starting_a_round_late_is_not_taken_for_a_late_joiner(call, joined, rounds, entered):
+    """A first worker of the job (:func:`connect` marks it joined at the start barrier, round 0) whose set-up ended
+    a round after its partners' (the pinned elastic run, on a loaded machine: 0.11 s of start skew against 80 ms
+    rounds) took a live peer's state and skipped round 0, so the trajectory depended on timing; now it starts
+    round 0, both at a round start and through ``FGDiLoCo.rejoin`` (the example job calls it before its first step)."""
+    from fgdiloco.elastic import rejoin
 
-    m, outer = _StartingMembership(cohort, rounds), _Outer()
-    before_round(m, outer)
-    assert (outer.round, m.published, m._joined) == (entered, entered, True)
+    m, outer = _StartingMembership(joined, rounds), _Outer()
+    getattr(rejoin, call)(m, outer)
+    assert (outer.round, m._joined) == (entered, True)
+    if call == "before_round":
+        assert m.published == entered
 
 
 @pytest.mark.slow

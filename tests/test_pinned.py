@@ -49,3 +49,14 @@ def test_lightning_trajectory_is_pinned(tmp_path):
 @pytest.mark.slow
 def test_pretrain_trajectory_is_pinned(tmp_path, name):
     _compare(name, pinned.RUNS[name](str(tmp_path)))
+
+
+@pytest.mark.parametrize("slow", [0, 3])
+def test_a_first_worker_whose_set_up_ends_rounds_after_its_partners_does_not_move_the_elastic_trajectory(tmp_path,
+                                                                                                          slow):
+    """A first worker of an elastic job (it passed the start barrier) that starts its first round a second after its
+    partners (a slower set-up on a loaded machine; rounds here take milliseconds) is waited for at every exchange,
+    as at round 0: its peers do not skip it as a joining process, so the run is the pinned one."""
+    from fgdiloco.testing import run_workers_on_store
+
+    _compare("elastic", run_workers_on_store(pinned._elastic_worker, 4, str(tmp_path), slow, 1.0))

@@ -138,7 +138,6 @@ def connect(address: str | None = None, worker: int | None = None, workers: int 
     t0, want, wait = time.monotonic(), int(s["min_workers"]), timeout if wait is None else wait
     while True:
         joined, live = membership.joined(), membership.live_round() or 0
-        membership.cohort = live == 0  # one of the job's first workers (decided at the last look)
         if len(joined) >= want or live > 0:
             break  # enough slots joined, or the job is past round 0: a restart or a late joiner waits for no one
         if time.monotonic() - t0 > wait:
@@ -148,6 +147,8 @@ def connect(address: str | None = None, worker: int | None = None, workers: int 
                         missing[:10], len(joined), want, wait)
             break
         time.sleep(0.1)
+    if live == 0:  # one of the job's first workers: joined from the start barrier on (see ElasticMembership)
+        membership.mark_joined()
     log.info("fgdiloco: worker %d of %d joined job %r on %s:%d (incarnation %d)", transport.rank,
              transport.world_size, s["job"], host, port, membership.incarnation)
     return transport

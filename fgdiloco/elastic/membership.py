@@ -117,12 +117,7 @@ class ElasticMembership(StoreMembership):
         #: set on reconnecting: the next round start joins the live round even one round behind
         self.resync = False
         self.round_now = 0  # the round this worker is in (published again to a restarted store)
-        self._joined = False  # whether this process has started an outer round (see mark_joined)
-        #: set by :func:`~fgdiloco.elastic.connect`: this worker passed the start barrier while the job was at round 0
-        #: (one of its first workers); at its first round start it is treated as joined, so a start a round later
-        #: than its partners' (a slower set-up) is waited for instead of making it enter the live round with a
-        #: peer's state
-        self.cohort = False
+        self._joined = False  # whether this process has joined the job's rounds (see mark_joined)
         super().__init__(store, rank, world_size, namespace, liveness=liveness, store_timeout=store_timeout,
                          siblings=siblings)
 
@@ -180,8 +175,13 @@ class ElasticMembership(StoreMembership):
         return None
 
     def mark_joined(self) -> None:
-        """Tell the job that this process has started its first outer round: its peers exchange with it from now
-        on (until then they skip it at once, see the module docstring). Idempotent."""
+        """Tell the job that this process takes part in its rounds: its peers exchange with it from now on (until
+        then they skip it at once, see the module docstring). A restart or a late joiner posts it at its first
+        round start, once it has entered the live round; one of the job's first workers when it passes the start
+        barrier (:func:`~fgdiloco.elastic.connect`, the job still at round 0), so that a set-up ending after its
+        partners' is waited for at every exchange, as at round 0, instead of being skipped from round 1 on (its
+        partners not paired with it in round 0 went on to round 1 without it: the trajectory depended on timing).
+        Idempotent."""
         self._joined = True
         with self.stores.lease() as store:
             key = self._key("joined", self.rank)

@@ -3,8 +3,8 @@
 Called by :class:`~fgdiloco.elastic.ElasticMembership` before every outer round (:func:`before_round`) and by
 ``FGDiLoCo.rejoin`` (:func:`rejoin`), with the wrapper's :class:`~fgdiloco.outer.state.OuterState`:
 
-* a worker that has not joined yet (a restart, a late joiner; not one of the job's first workers, which passed the start
-  barrier at round 0 and start round 0 even when their partners are a round further) enters at the live round (the
+* a worker that has not joined yet (a restart, a late joiner; the job's first workers joined at the start barrier,
+  :meth:`~fgdiloco.elastic.ElasticMembership.mark_joined`) enters at the live round (the
   newest any slot started) when that is ahead of its own; without state of its own (``outer.fresh``: no checkpoint
   loaded), or with a checkpoint :data:`ADOPT_ROUNDS` or more rounds older than the live round (it restarted late, its
   peers trained on), it first adopts a live peer's round-start parameters and outer momentum (one checked, authenticated
@@ -52,10 +52,8 @@ def before_round(membership: Any, outer: Any, agree: Callable[[list[int]], list[
     """
     agree = agree or (lambda values: values)
     joined = getattr(membership, "_joined", False)
-    first = not joined and not getattr(membership, "cohort", False)  # a restart or a late joiner, not a first worker
-    behind = 1 if first or getattr(membership, "resync", False) else CATCH_UP_ROUNDS
     stop = membership.too_long_away()
-    target = -1 if stop or membership.unreachable else _catch_up_target(membership, outer, behind)
+    target = -1 if stop or membership.unreachable else _catch_up_target(membership, outer, _behind(membership))
     stop_all, target = agree([int(stop), target])
     if stop_all:
         membership.check_reachable(force=True)
@@ -75,12 +73,20 @@ def before_round(membership: Any, outer: Any, agree: Callable[[list[int]], list[
 
 
 def rejoin(membership: Any, outer: Any) -> None:
-    """Join the live round now (``FGDiLoCo.rejoin``): adopt a live peer's state first when ``outer`` has none or
+    """Join the live round now (``FGDiLoCo.rejoin``) when this worker has not joined yet, or when it has and is
+    :data:`CATCH_UP_ROUNDS` behind the peers' median round (a first worker whose set-up ended rounds after its
+    partners' is waited for, as at every round start): adopt a live peer's state first when ``outer`` has none or
     its own is :data:`ADOPT_ROUNDS` or more rounds old."""
-    live = _catch_up_target(membership, outer, 1)
+    live = _catch_up_target(membership, outer, _behind(membership))
     if live >= 0:
         _enter(membership, outer, live, adopt=_stale(outer, live))
     _mark_joined(membership)
+
+
+def _behind(membership: Any) -> int:
+    """How many rounds behind the others this worker enters the live round: any (1) before it has joined and after
+    the store came back; :data:`CATCH_UP_ROUNDS` behind the median once joined."""
+    return 1 if not getattr(membership, "_joined", False) or getattr(membership, "resync", False) else CATCH_UP_ROUNDS
 
 
 def _mark_joined(membership: Any) -> None:

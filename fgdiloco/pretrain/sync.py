@@ -312,7 +312,7 @@ class ElasticFGDiLoCo(FGDiLoCoSync):
 
     def start(self) -> int:
         frm = self.resumed_round if self.resumed_round is not None else self.opt.round
-        self.opt.rejoin()  # a restarted or resumed worker joins the job's live round (at the start: nobody is ahead)
+        self.opt.rejoin()  # a restarted worker or a late joiner enters the job's live round
         if self.opt.round != frm:
             self._move = (frm, self.opt.round)
         return self.opt.round * self.opt.steps_per_round
