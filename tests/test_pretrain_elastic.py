@@ -356,7 +356,11 @@ def test_a_killed_stage_restarts_its_replica_which_rejoins_while_the_other_repli
     assert event["worker"] == 1 and event["life"] == 1 and event["round"] > event["from_round"] >= 8
     if event["round"] - event["from_round"] >= ADOPT_ROUNDS:  # its checkpoints were old: both stages adopted
         log1 = (out / "logs" / "worker1.log").read_text(errors="replace")
-        assert log1.count("with a live peer's parameters and outer momentum") == 2, log1[-3000:]
+        adopted = log1.count("with a live peer's parameters and outer momentum")
+        # unless replica 0 was already in its last round when the restart ended (a loaded machine: the restart took
+        # longer than replica 0's 110 remaining rounds); then no live peer was left to send its state
+        assert adopted == 2 or event["round"] >= summary["rounds"] - 1, (event, log1[-3000:])
+        assert adopted + log1.count("no peer sent its state") == 2, log1[-3000:]
     cfg = TrainConfig(steps=steps, sync_every=h, eval_every=2)
     assert [e["round"] for e in _events(out, 0, "row")] == eval_points(cfg)  # replica 0 never stopped
     for s in range(2):
