@@ -19,12 +19,15 @@ from ..factor.frame import job_secret, layout_fingerprint
 from ..gossip.mix import MAX_RATIO, Mixer, PeerHealth
 from ..gossip.staging import HostStaging
 from ..gossip.topology import Topology, make_topology
-from ..gossip.transport import DistributedTransport, Transport
+from ..gossip.transport import Transport
 from ..mesh import ReplicaMesh
+from .checkpoint import load_codecs_and_inner, pack, validate_state
+from .connect import open_transport
 from .fragments import split_fragments
 from .optimizer import TorchOuter, build_outer
+from .params import SyncedParameters
 from .round import Round
-from .state import STATE_VERSION, OuterState, validate_state
+from .state import OuterState
 from .stats import RoundStats
 
 __all__ = ["FGDiLoCo"]
@@ -112,7 +115,8 @@ class FGDiLoCo:
         self.codec, self.mix1_codec = self.resolve_codecs(self.config)
         self.model = model
         self.inner_optimizer = inner_optimizer
-        self._take_parameters()
+        self.synced = SyncedParameters(model, inner_optimizer)  # raises before anything is built
+        self.param_names, self.params = self.synced.names, self.synced.params
         layout = [(n, p.shape, p.dtype) for n, p in zip(self.param_names, self.params)]
         if mesh is not None:
             if not isinstance(mesh, ReplicaMesh):
@@ -124,7 +128,9 @@ class FGDiLoCo:
         self.fingerprint = layout_fingerprint(layout)
         self.elastic = self._check_elastic(elastic, process_group, mesh, transport)
         self._owns_transport = transport is None or elastic
-        self.transport = self._connect(transport, process_group, mesh, broadcast_init)
+        self.transport = open_transport(self.config, model, transport=transport, process_group=process_group,
+                                        mesh=mesh, elastic=self.elastic, broadcast_init=broadcast_init,
+                                        fingerprint=self.fingerprint, exact=self._exact)
         self.rank = self.transport.rank if self.transport else 0
         self.world_size = self.transport.world_size if self.transport else 1
         self.fragments = split_fragments(self.config.fragments, self.param_names, self.params)
@@ -169,26 +175,6 @@ class FGDiLoCo:
             return getattr(self.config, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
-    def _take_parameters(self) -> None:
-        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        if not named:
-            raise ValueError("model has no trainable parameters (requires_grad=True) to synchronise")
-        held = {id(p) for group in self.inner_optimizer.param_groups for p in group["params"]}
-        missing = [n for n, p in named if id(p) not in held]
-        if missing:
-            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-            raise ValueError(f"inner_optimizer does not hold {len(missing)} of the model's trainable parameters "
-                             f"({shown}); build it from model.parameters()")
-        self.param_names = [n for n, _ in named]
-        self.params = [p for _, p in named]
-        self._param_ids = {id(p) for p in self.params}
-        extra = self._unsynchronised()
-        if extra:
-            raise ValueError(f"inner_optimizer holds {len(extra)} trainable parameter(s) that are not trainable "
-                             f"parameters of model ({', '.join(extra[:5])}): they would be trained but never "
-                             "synchronised; build it from model.parameters()")
-        self._n_held = self._count_held()
-
     def _check_elastic(self, elastic: Any, process_group: Any, mesh: Any, transport: Any) -> bool:
         if not isinstance(elastic, bool):
             raise TypeError(f"elastic must be a bool, got {type(elastic).__name__}")
@@ -214,36 +200,6 @@ class FGDiLoCo:
         t = self.config.topology
         return t.exact if isinstance(t, Topology) else make_topology(t, 1).exact
 
-    def _connect(self, transport: Transport | None, process_group: Any, mesh: ReplicaMesh | None,
-                 broadcast_init: bool) -> Transport | None:
-        """The transport: the given one, an elastic job's, or one over the process group (or mesh)."""
-        if not isinstance(broadcast_init, bool):
-            raise TypeError(f"broadcast_init must be a bool, got {type(broadcast_init).__name__}")
-        c = self.config
-        if self.elastic:
-            from ..elastic import connect, settings
-
-            stage_jobs = [] if mesh is None else [f"{settings()['job']}.stage{s}" for s in range(mesh.stages)]
-            job = None if mesh is None else stage_jobs[mesh.stage]  # each stage gossips apart ...
-            return connect(job=job, timeout=c.join_timeout, liveness=c.liveness, store_timeout=c.store_timeout,
-                           fingerprint=self.fingerprint, secret=job_secret(),
-                           sibling_jobs=[j for j in stage_jobs if j != job])  # ... and watches its replica's others
-        if transport is not None or not (process_group is not None or mesh is not None
-                                         or (dist.is_available() and dist.is_initialized())):
-            return transport
-        deadlines = dict(join_timeout=c.join_timeout, collective_timeout=c.collective_timeout, liveness=c.liveness,
-                         store_timeout=c.store_timeout, exact=self._exact)
-        if mesh is not None:  # the mesh built the stage's group: no new_group here (collective over all)
-            built = DistributedTransport(mesh.gossip_group, collective_group=mesh.gossip_group, **deadlines)
-        else:
-            built = DistributedTransport(process_group, **deadlines)
-        if broadcast_init:
-            src = built.global_ranks[0]
-            with torch.no_grad():
-                for t in list(self.model.parameters()) + list(self.model.buffers()):
-                    dist.broadcast(t.data, src=src, group=built.group)
-        return built
-
     def _build_mixers(self) -> None:
         c = self.config
         self.topology = make_topology(c.topology, self.world_size, c.seed)
@@ -260,31 +216,6 @@ class FGDiLoCo:
                          for f in range(len(self.fragments))]
         self._mixer2 = self._mixer2s[0]
         self.authenticated = secret is not None
-
-    def _count_held(self) -> int:
-        return sum(len(g["params"]) for g in self.inner_optimizer.param_groups)
-
-    def _unsynchronised(self) -> list[str]:
-        """Trainable parameters (``requires_grad``) of the model or the inner optimizer that are not synchronised
-        (added with ``add_param_group``, unfrozen, or never part of the model), by name or shape."""
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        out, seen = [], set()
-        candidates = [p for g in self.inner_optimizer.param_groups for p in g["params"]]
-        candidates += list(self.model.parameters())
-        for p in candidates:
-            if p.requires_grad and id(p) not in self._param_ids and id(p) not in seen:
-                seen.add(id(p))
-                out.append(names.get(id(p), f"<tensor of shape {tuple(p.shape)} not in model>"))
-        return out
-
-    def _check_parameters(self) -> None:
-        extra = self._unsynchronised()
-        if extra:
-            raise RuntimeError(
-                f"{len(extra)} trainable parameter(s) are not synchronised by FGDiLoCo ({', '.join(extra[:5])}): "
-                "a parameter added to the inner optimizer (add_param_group) or unfrozen after the wrapper was built "
-                "would train on this worker only. Build the wrapper after the model and inner optimizer are "
-                "complete, or freeze the parameter (requires_grad=False)")
 
     # ------------------------------------------------------------------ the user's API
     @property
@@ -341,7 +272,7 @@ class FGDiLoCo:
     def _begin_round(self) -> None:
         """Start every fragment's next outer round that is not in flight: the one place rounds start. The
         membership first lets a worker joining a running job enter its live round."""
-        self._check_parameters()
+        self.synced.check()
         rejoins = self.outer.rejoins
         if self.transport is not None:
             self.transport.membership.before_round(self.outer, self._agree)
@@ -410,8 +341,7 @@ class FGDiLoCo:
         return self.outer.round
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._count_held() != self._n_held:  # cheap: add_param_group is caught at the next step
-            self._check_parameters()
+        self.synced.check_if_added()  # add_param_group is caught at the next step
         if self._round is None:
             self._begin_round()
 
@@ -450,31 +380,17 @@ class FGDiLoCo:
         round-start parameters (``anchor``), the model's trainable parameters and buffers as they are now (so the
         order of loading the model and building the wrapper does not matter, see :meth:`load_state_dict`), round
         and step counters, schedule seed and topology, rank and world size, codec states."""
-        o = self.outer
-        return {
-            "version": STATE_VERSION,
-            "inner": self.inner_optimizer.state_dict(),
-            "momentum": [] if isinstance(o.optimizer, TorchOuter) else [m.detach().clone() for m in o.momentum],
-            "outer_optimizer": o.optimizer.state_dict() if isinstance(o.optimizer, TorchOuter) else None,
-            "fragments": len(self.fragments),
-            "overlap_delta": None if self._round is None or self._round.overlap_delta is None else [
-                d.detach().clone() for d in self._round.overlap_delta],
-            "anchor": [t.detach().clone() for t in o.theta0],
-            "params": [p.detach().clone() for p in self.params],
-            "buffers": {n: b.detach().clone() for n, b in self.model.named_buffers()},
-            "round": o.round,
-            "steps_in_round": o.steps_in_round,
-            "generation": o.generation,
-            "sync_every": self.config.sync_every,
-            "seed": self.config.seed,
-            "topology": self.topology.name,
-            "world_size": self.world_size,
-            "rank": self.rank,
-            "fingerprint": self.fingerprint,
-            "codec": {"name": self.codec.name, "state": self.codec.state_dict(),
-                      "fragments": [m.codec.state_dict() for m in self._mixer2s[1:]]},
-            "mix1_codec": {"name": self.mix1_codec.name, "state": self.mix1_codec.state_dict()},
-        }
+        r = self._round
+        return pack(self.outer, self.inner_optimizer, self.model, self.params, header=self._header(),
+                    codecs=[m.codec for m in self._mixer2s], mix1_codec=self.mix1_codec,
+                    overlap_delta=None if r is None else r.overlap_delta)
+
+    def _header(self) -> dict[str, Any]:
+        """What a state dict records of this run, and what one must match to load."""
+        return {"fingerprint": self.fingerprint, "rank": self.rank, "world_size": self.world_size,
+                "codec": self.codec.name, "mix1_codec": self.mix1_codec.name, "seed": self.config.seed,
+                "topology": self.topology.name, "fragments": len(self.fragments), "sync_every": self.config.sync_every,
+                "torch_outer": isinstance(self.outer.optimizer, TorchOuter)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` on every worker, each its own (resume in new processes, or rewind a wrapper
@@ -499,29 +415,10 @@ class FGDiLoCo:
                 world size, codec, seed or topology, tensors of the wrong type or shape, or inner optimizer
                 parameter groups that do not match. Nothing has changed when it is raised.
         """
-        expect = {"fingerprint": self.fingerprint, "rank": self.rank, "world_size": self.world_size,
-                  "codec": self.codec.name, "mix1_codec": self.mix1_codec.name, "seed": self.config.seed,
-                  "topology": self.topology.name, "fragments": len(self.fragments),
-                  "torch_outer": isinstance(self.outer.optimizer, TorchOuter)}
-        momentum = validate_state(state, expect=expect, outer=self.outer, names=self.param_names, model=self.model,
-                                  inner=self.inner_optimizer, sync_every=self.steps_per_round)
-        # Things that can still fail on their own (codec and inner optimizer internals) go first, undone on failure.
-        codecs = [m.codec for m in self._mixer2s] + [self.mix1_codec]
-        saved = [state["codec"]["state"], *state["codec"].get("fragments", []), state["mix1_codec"]["state"]]
-        if len(saved) != len(codecs):
-            raise ValueError(f"state dict has the codec states of {len(saved) - 1} fragment(s), this run has "
-                             f"{len(codecs) - 1}")
-        backup = ([c.state_dict() for c in codecs], self.inner_optimizer.state_dict())
-        try:
-            for codec, st in zip(codecs, saved):
-                codec.load_state_dict(st)
-            self.inner_optimizer.load_state_dict(state["inner"])
-        except Exception as e:
-            for codec, st in zip(codecs, backup[0]):
-                codec.load_state_dict(st)
-            self.inner_optimizer.load_state_dict(backup[1])
-            raise ValueError(f"state dict's codec or inner optimizer state does not load: {type(e).__name__}: "
-                             f"{e}") from e
+        momentum = validate_state(state, expect=self._header(), outer=self.outer, names=self.param_names,
+                                  model=self.model, inner=self.inner_optimizer, sync_every=self.steps_per_round)
+        # what can still fail on its own (codec and inner optimizer internals) goes first, undone on failure
+        load_codecs_and_inner(state, [m.codec for m in self._mixer2s], self.mix1_codec, self.inner_optimizer)
         self._end_round()
         # an elastic job's exchange keys name each side's incarnation and a loaded worker rejoins at the live
         # round: its keys are new without a generation (which would have to agree with the peers')
