@@ -95,6 +95,8 @@ class ElasticMembership(StoreMembership):
         ValueError: ``rank`` or ``world_size`` out of range, or an empty ``namespace``.
     """
 
+    keys_per_process = True  # prefix() names both sides' incarnations
+
     def __init__(self, store: dist.Store, rank: int, world_size: int, namespace: str, *,
                  liveness: float = FGDiLoCoConfig.liveness, address: tuple[str, int] | None = None,
                  store_timeout: float = FGDiLoCoConfig.store_timeout, job_keys: dict[str, bytes] | None = None,
@@ -373,10 +375,10 @@ class ElasticMembership(StoreMembership):
         self.round_now = outer.round  # what a restarted store learns when this worker refills it
         before_round(self, outer, agree)
 
-    def rejoin(self, outer: Any) -> None:
+    def rejoin(self, outer: Any, agree: Any = None) -> None:
         from .rejoin import rejoin
 
-        rejoin(self, outer)
+        rejoin(self, outer, agree)
 
     def close(self) -> None:
         self._source = None

@@ -72,14 +72,19 @@ def before_round(membership: Any, outer: Any, agree: Callable[[list[int]], list[
         _mark_joined(membership)
 
 
-def rejoin(membership: Any, outer: Any) -> None:
+def rejoin(membership: Any, outer: Any, agree: Callable[[list[int]], list[int]] | None = None) -> None:
     """Join the live round now (``FGDiLoCo.rejoin``) when this worker has not joined yet, or when it has and is
     :data:`CATCH_UP_ROUNDS` behind the peers' median round (a first worker whose set-up ended rounds after its
     partners' is waited for, as at every round start): adopt a live peer's state first when ``outer`` has none or
-    its own is :data:`ADOPT_ROUNDS` or more rounds old."""
+    its own is :data:`ADOPT_ROUNDS` or more rounds old. ``agree``: as for :func:`before_round` (the stages of a
+    pipeline replica end in the same round)."""
     live = _catch_up_target(membership, outer, _behind(membership))
     if live >= 0:
         _enter(membership, outer, live, adopt=_stale(outer, live))
+    if agree is not None:
+        (final,) = agree([outer.round])
+        if final > outer.round:  # another stage of this pipeline replica entered a later round
+            outer.jump(final)
     _mark_joined(membership)
 
 

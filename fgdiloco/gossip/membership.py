@@ -99,6 +99,9 @@ class Membership:
     question is answered "not known". ``rank`` and ``world_size`` are positions in the gossip group."""
 
     incarnation = 1
+    #: whether exchange keys name each side's process (an elastic job's incarnations): a worker that loads a
+    #: checkpoint then meets no exchange of its predecessor without moving its keys to a new generation
+    keys_per_process = False
 
     def __init__(self, rank: int = 0, world_size: int = 1):
         self.rank = rank
@@ -147,8 +150,8 @@ class Membership:
         (an elastic membership joins the live round, answers joiners, publishes the round). ``agree``: how the
         stages of a pipeline replica decide together (``[ints] -> [their maxima]``), or None."""
 
-    def rejoin(self, outer: Any) -> None:  # noqa: B027 - optional
-        """Join the job at its live round now (``FGDiLoCo.rejoin``)."""
+    def rejoin(self, outer: Any, agree: Any = None) -> None:  # noqa: B027 - optional
+        """Join the job at its live round now (``FGDiLoCo.rejoin``); ``agree`` as for :meth:`before_round`."""
 
     def close(self) -> None:  # noqa: B027 - optional
         """Stop the heartbeat and release connections."""

@@ -295,9 +295,10 @@ class FGDiLoCo:
             self._resume_delta = None
 
     def _agree(self, values: list[int]) -> list[int]:
-        """The maxima of ``values`` over this replica's pipeline stages (an elastic pipeline replica decides its
-        joins and stops together); ``values`` itself otherwise."""
-        if self.mesh is None or self.mesh.stages == 1 or not self.elastic:
+        """The maxima of ``values`` over this replica's pipeline stages (the membership of an elastic pipeline
+        replica decides its joins and stops with it; a fixed group's never calls it); ``values`` itself without
+        stages (a collective over ``mesh.pipeline_group`` otherwise)."""
+        if self.mesh is None or self.mesh.stages == 1:
             return values
         t = torch.tensor(values, dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.mesh.pipeline_group)
@@ -332,10 +333,7 @@ class FGDiLoCo:
         self._end_round(keep_clock=True)
         if self.transport is not None:
             rejoins = self.outer.rejoins
-            self.transport.membership.rejoin(self.outer)
-            (final,) = self._agree([self.outer.round])
-            if final > self.outer.round:  # another stage of this pipeline replica entered a later round
-                self.outer.jump(final)
+            self.transport.membership.rejoin(self.outer, self._agree)
             if self.outer.rejoins != rejoins:
                 self._clock = (time.perf_counter(), 0.0)
         return self.outer.round
@@ -422,7 +420,7 @@ class FGDiLoCo:
         self._end_round()
         # an elastic job's exchange keys name each side's incarnation and a loaded worker rejoins at the live
         # round: its keys are new without a generation (which would have to agree with the peers')
-        if not self.elastic:
+        if self.transport is None or not self.transport.membership.keys_per_process:
             self.outer.generation = max(self.outer.generation, int(state.get("generation", 0))) + 1
         for m in [self._mixer1, *self._mixer2s]:
             m.generation = self.outer.generation
