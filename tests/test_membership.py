@@ -27,7 +27,8 @@ from fgdiloco.elastic import (
     connect,
     settings,
 )
-from fgdiloco.elastic.rejoin import ADOPT_ROUNDS
+from fgdiloco.elastic.membership import BEATING_SECONDS
+from fgdiloco.elastic.rejoin import ADOPT_ROUNDS, CATCH_UP_ROUNDS
 from fgdiloco.factor import Dense
 from fgdiloco.gossip.membership import StoreMembership
 from fgdiloco.gossip.mix import Mixer, PeerHealth
@@ -143,8 +144,9 @@ class _StartingMembership:
     def live_round(self) -> int:
         return max(self.rounds.values())
 
-    def peer_rounds(self) -> dict[int, int]:
-        return dict(self.rounds)
+    def front(self) -> int:
+        rounds = sorted(self.rounds.values())
+        return rounds[(len(rounds) - 1) // 2]
 
     def serve(self, source) -> None:
         pass
@@ -446,6 +448,38 @@ def test_rounds_are_published_and_the_live_round_is_the_newest(store):
         m.close()
 
 
+def test_a_peer_rounds_behind_the_job_is_skipped_at_once_and_hung_slots_do_not_hold_the_median_back(store):
+    """A live peer CATCH_UP_ROUNDS or more behind the job's median round (as it sees it) jumps to the live round at
+    its next round start, so its partners skip it at once instead of waiting for it (in the chaos job, lateness
+    passed from partner to partner: 5 s per stopped worker). The median counts only slots whose heartbeat moves:
+    with a third of a job stopped, the median of every slot lagged the workers that trained."""
+    ts = [_transport(store, r, 4, timeout=10.0) for r in range(4)]
+    a, b, c, d = (t.membership for t in ts)
+    for m, rnd in ((a, 12), (b, 9), (c, 5), (d, 5)):
+        m.publish_round(rnd)
+        m.mark_joined()
+    # c and d are at round 5 and beating: b (3 behind a) is not behind the median of {a, c, d} (5)
+    assert a.lagging(1) is None and a.front(without=1) == 5
+    c._service.stop(), d._service.stop()  # c and d hang: their heartbeats stop
+    a.peer_rounds()  # a reads every slot now and again (at each round start), noting when each heartbeat moved
+    time.sleep(BEATING_SECONDS + 0.3)
+    assert a.front(without=1) == 12 and a.lagging(1) == 3  # b's median is a's round alone now
+    assert a.lagging(2) == 4 and a.lagging(0) is None  # c sees b (9) and a (12): the lower median, 9
+    b.publish_round(10)
+    assert a.lagging(1) is None  # 2 behind: waited for, as before
+    b.publish_round(9)
+    mixer = Mixer("mix2", make_topology("ring", 4, 0), ts[0], Dense(), 1, b"\0" * 8, 10.0, health=PeerHealth())
+    peer = mixer.topology.step(0, mixer.schedule_index(12, 0)).peer
+    assert peer == 1  # the ring pairs 0 with b in round 12
+    t0 = time.monotonic()
+    res = mixer.run([torch.zeros(3)], 12)
+    assert time.monotonic() - t0 < 1.0  # not the 10 s join timeout: b beats, but it will not come
+    assert (res.failed, res.skipped) == (0, 1), res.errors
+    assert "3 outer rounds behind the job" in res.errors[0] and not mixer.health.skip(1, 13)  # no back-off
+    for t in ts:
+        t.close()
+
+
 @pytest.mark.slow
 def test_discarding_an_exchange_whose_peer_died_after_its_hello_does_not_wait_out_the_gloo_timeout(store):
     """A peer that posted its hello for a prepared exchange and died: this side committed and is inside Gloo's pair
@@ -601,6 +635,30 @@ def test_rejoin_with_a_checkpoint_adopt_rounds_old_takes_the_live_peers_state_an
     a.transport.membership.publish_round(ADOPT_ROUNDS)
     a.transport.membership.serve(a.outer.committed_state)
     assert b.rejoin() == ADOPT_ROUNDS and b.rejoins == 1
+    for p in b.params:
+        assert torch.equal(p.detach(), torch.ones_like(p))
+    for m in b.outer.momentum:
+        assert torch.equal(m, torch.full_like(m, 0.5))
+    assert b.inner_optimizer.param_groups[0]["lr"] == 0.25
+    a.close(), b.close()
+    a.transport.close(), b.transport.close()
+
+
+def test_a_joined_worker_that_fell_catch_up_rounds_behind_takes_a_live_peers_state(store):
+    """A worker that hung (SIGSTOP) or waited rounds for a gone partner catches up at its next round start; its own
+    parameters are CATCH_UP_ROUNDS (>= ADOPT_ROUNDS) rounds old, so it takes a live peer's, as a restart with a
+    stale checkpoint does, instead of pulling its partners back to an older model. It keeps its inner state."""
+    assert CATCH_UP_ROUNDS >= ADOPT_ROUNDS
+    a = _wrapper(_transport(store, 0, 2), 1.0)
+    b = _wrapper(_transport(store, 1, 2), 5.0)
+    b.load_state_dict(b.state_dict())  # not fresh: b trained its own rounds
+    b.transport.membership.mark_joined()
+    b.inner_optimizer.param_groups[0]["lr"] = 0.25
+    a.outer.set(a.outer.theta0, [torch.full_like(m, 0.5) for m in a.outer.momentum], CATCH_UP_ROUNDS)
+    a.transport.membership.publish_round(CATCH_UP_ROUNDS)
+    a.transport.membership.serve(a.outer.committed_state)
+    b.transport.membership.before_round(b.outer)
+    assert b.round == CATCH_UP_ROUNDS and b.rejoins == 1
     for p in b.params:
         assert torch.equal(p.detach(), torch.ones_like(p))
     for m in b.outer.momentum:

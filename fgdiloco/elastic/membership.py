@@ -62,6 +62,10 @@ class StoreNotReached(StoreUnreachable, TimeoutError):
     :class:`StoreUnreachable` (a life of ``fgdiloco launch`` stops for good instead of being restarted by torchrun
     to wait again) and, as documented before, a ``TimeoutError``."""
 
+#: A slot whose heartbeat has not moved for this long (seconds; 4 beats) is left out of the job's median round
+#: (:meth:`ElasticMembership.front`).
+BEATING_SECONDS = 4 * HEARTBEAT_SECONDS
+
 _KINDS = ("alive", "left", "incarnation", "round", "suspect", "joined")  # per-slot counters, made for every slot
 
 
@@ -223,14 +227,15 @@ class ElasticMembership(StoreMembership):
 
     def slot_rounds(self, *, departed: bool) -> dict[int, int]:
         """The published round of every other slot that ever held a worker; ``departed``: with those that left.
-        One store round trip whatever the slot count."""
+        One store round trip whatever the slot count; it also notes each slot's heartbeat (:meth:`front`)."""
         others = [r for r in range(self.world_size) if r != self.rank]
         keys = [self._key(kind, r) for r in others for kind in ("round", "alive", "left")]
         with self.stores.lease() as store:
             values = read_counters(store, keys)
-        out = {}
+        out, now = {}, time.monotonic()
         for i, r in enumerate(others):
             rnd, alive, left = values[3 * i: 3 * i + 3]
+            self._silent_for(r, alive, now)  # when each heartbeat last moved, as this worker watches it
             if alive > 0 and (departed or left == 0):
                 out[r] = rnd
         return out
@@ -244,6 +249,36 @@ class ElasticMembership(StoreMembership):
     def peer_rounds(self) -> dict[int, int]:
         """The round each peer still in the job (joined, not departed) last started."""
         return self.slot_rounds(departed=False)
+
+    def front(self, rounds: dict[int, int] | None = None, *, without: int | None = None) -> int | None:
+        """The job's median round as the worker ``without`` sees it (default: this worker): the lower median of the
+        rounds last started by every slot still in the job but ``without`` (this worker included when ``without``
+        is another) whose heartbeat moved within the last :data:`BEATING_SECONDS` as this worker watched it. A hung or
+        dead worker's round, and its slot, do not hold the median back: with a third of an 8-worker chaos job
+        stopped at a time, the median of every slot lagged the workers that trained. None when no such slot.
+        ``rounds``: :meth:`peer_rounds` when just read."""
+        rounds = self.peer_rounds() if rounds is None else rounds
+        now = time.monotonic()
+        with self._lock:
+            beating = [rnd for r, rnd in rounds.items()
+                       if r != without and now - self._seen.get(r, (None, now))[1] <= BEATING_SECONDS]
+        if without is not None and without != self.rank:
+            beating.append(self.round_now)
+        beating.sort()
+        return beating[(len(beating) - 1) // 2] if beating else None
+
+    def lagging(self, peer: int) -> int | None:
+        """How far ``peer`` is behind the job's median round as it sees it (:meth:`front`), when that is
+        :data:`~fgdiloco.elastic.rejoin.CATCH_UP_ROUNDS` or more: then its next round start jumps to the live round
+        (it hung, or lost time waiting), so its partners skip it at once instead of waiting for a worker that holds
+        them back by rounds. One store round trip."""
+        from .rejoin import CATCH_UP_ROUNDS
+
+        rounds = self.peer_rounds()
+        front = self.front(rounds, without=peer) if peer in rounds else None
+        if front is None or front - rounds[peer] < CATCH_UP_ROUNDS:
+            return None
+        return front - rounds[peer]
 
     # ------------------------------------------------------------------ state for joiners
     def _want_key(self, rank: int) -> str:

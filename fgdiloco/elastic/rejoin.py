@@ -58,7 +58,7 @@ def before_round(membership: Any, outer: Any, agree: Callable[[list[int]], list[
     if stop_all:
         membership.check_reachable(force=True)
     if target >= 0:
-        _enter(membership, outer, target, adopt=not joined and _stale(outer, target))
+        _enter(membership, outer, target, adopt=_stale(outer, target))
     (final,) = agree([outer.round])
     if final > outer.round:  # another stage of this replica entered a later round (its donor was further on)
         outer.jump(final)
@@ -114,8 +114,7 @@ def _target(membership: Any, behind: int) -> int | None:
     """The live round (``behind <= 1``), or the peers' median round (has this worker fallen behind?)."""
     if behind <= 1:
         return membership.live_round()
-    rounds = sorted(membership.peer_rounds().values())
-    return rounds[(len(rounds) - 1) // 2] if rounds else None
+    return membership.front()
 
 
 def _catch_up_target(membership: Any, outer: Any, behind: int) -> int:

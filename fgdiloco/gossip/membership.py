@@ -144,6 +144,12 @@ class Membership:
         exchange will never come to it."""
         return None
 
+    def lagging(self, peer: int) -> int | None:
+        """How many outer rounds ``peer`` is behind the job's median round, when that is far enough for it to
+        catch up (jump to the live round at its next round start) instead of coming to the exchanges of the rounds
+        in between; else None. Default: never known (a fixed group does not catch up)."""
+        return None
+
     # ---- joining a running job (elastic memberships; nothing to do in a fixed group)
     def before_round(self, outer: Any, agree: Any = None) -> None:  # noqa: B027 - optional
         """Called by the wrapper before every outer round starts, with its :class:`~fgdiloco.outer.state.OuterState`

@@ -402,8 +402,10 @@ class Mixer:
         talking may start its next round while a background Mix1 of this one still runs). Polled by the
         supervision loop for the whole exchange."""
         try:
-            gone = "abandoned" if self.transport.abandoned(peer, key) else self.transport.membership.gone(peer, since)
-            ahead = self.transport.membership.peer_round(peer) if gone is None and not talking else None
+            membership = self.transport.membership
+            gone = "abandoned" if self.transport.abandoned(peer, key) else membership.gone(peer, since)
+            ahead = membership.peer_round(peer) if gone is None and not talking else None
+            behind = membership.lagging(peer) if gone is None and not talking else None
         except ExchangeError:
             raise
         except Exception as err:  # noqa: BLE001 - c10d's errors for a store that is gone
@@ -412,6 +414,9 @@ class Mixer:
             raise gone_error(gone, what)
         if ahead is not None and ahead > outer_round:
             raise PeerDeclined(f"{what}: skipped: the peer has moved on to outer round {ahead}")
+        if behind is not None:
+            raise PeerDeclined(f"{what}: skipped: the peer is {behind} outer rounds behind the job (it catches up "
+                               "at its next round start)")
 
     def _not_applied(self, res: MixResult, peer: int, key: str, outer_round: int, err: ExchangeError) -> None:
         """Count and log an exchange that was not applied; stop this side's part of it and tell the peer (which
