@@ -94,8 +94,30 @@ def _alive(pid: int | None) -> bool:
         return False
 
 
+def _listening(pid: int) -> bool:
+    """Whether process ``pid`` holds a listening TCP socket (the serving store does; its standby does not)."""
+    inodes = set()
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A":  # LISTEN
+                    inodes.add(fields[9])
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:[") and link[8:-1] in inodes:
+                return True
+    return False
+
+
 def _store_pid(launcher: int) -> int | None:
-    """The gossip store child of the ``fgdiloco launch`` process ``launcher`` (``fgdiloco.elastic.serve``)."""
+    """The gossip store child of the ``fgdiloco launch`` process ``launcher`` (``fgdiloco.elastic.serve``) that serves
+    the store now (not its standby)."""
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
@@ -104,7 +126,7 @@ def _store_pid(launcher: int) -> int | None:
         except OSError:
             continue
         if b"fgdiloco.elastic.serve" in cmd and b"--parent" in cmd and cmd[cmd.index(b"--parent") + 1] == \
-                str(launcher).encode():
+                str(launcher).encode() and _listening(int(d.name)):
             return int(d.name)
     return None
 

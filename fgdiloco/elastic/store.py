@@ -1,15 +1,17 @@
 """The gossip store of an elastic job: a ``TCPStore`` served by a process that is not a worker.
 
 :class:`GossipStore` serves it in this process (tests, tools). :class:`SupervisedStore` serves it in a child process
-and restarts it on the same port when it dies: the store holds only *soft state* (heartbeats, published rounds,
-slot owners, exchanges in flight) that the workers re-publish when they reconnect
+and replaces it on the same port when it dies (a hot standby takes over within a tenth of a second): the store holds
+only *soft state* (heartbeats, published rounds, slot owners, exchanges in flight) that the workers re-publish when
+they reconnect
 (:class:`~fgdiloco.elastic.ElasticMembership`), so a restarted store costs them a few skipped exchanges, not their
 job. ``fgdiloco store``, ``fgdiloco launch`` and ``fgdiloco pretrain`` use the supervised one. The child exits with
 its supervisor: a store never outlives its job (and its workers stop once it has been unreachable for
 ``store_timeout`` seconds).
 
 The child is ``python -m fgdiloco.elastic.serve --host H --port P --parent PID``: it prints ``port N`` once it serves,
-and exits when its parent is gone or on SIGTERM.
+and exits when its parent is gone or on SIGTERM; a second child with ``--standby`` waits beside it, ready to take the
+port over (:mod:`fgdiloco.elastic.serve`).
 """
 
 from __future__ import annotations
@@ -67,18 +69,27 @@ class GossipStore:
 
 
 class SupervisedStore:
-    """A gossip store served by a child process that is restarted on the same port when it dies.
+    """A gossip store served by a child process that is replaced on the same port when it dies.
+
+    A *hot standby* waits beside the serving child: a second child that has already imported what a store needs and
+    takes the port over the moment the first one is found dead (checked every :data:`WATCH_SECONDS`); a new standby
+    is then started in the background. A cold restart imports ``torch.distributed`` first, which took 6-10 s on the
+    2-core machine under a chaos job's load (its workers trained without gossip meanwhile); a standby's takeover
+    takes about a tenth of a second. Without a live standby (it died too) the store is restarted cold.
 
     Args:
-        host, port: as :class:`GossipStore` (port 0: the first child picks one; its restarts keep it).
+        host, port: as :class:`GossipStore` (port 0: the first child picks one; its replacements keep it).
 
     Attributes:
-        restarts: how many times the store was restarted.
+        restarts: how many times the store was replaced.
 
     Raises:
         ValueError: ``port`` out of range.
         RuntimeError: the first child could not serve (the message has its output).
     """
+
+    #: Seconds between two looks at the serving child.
+    WATCH_SECONDS = 0.1
 
     def __init__(self, host: str = "0.0.0.0", port: int = 0):
         self.host = host
@@ -86,38 +97,71 @@ class SupervisedStore:
         self.restarts = 0
         self._closing = False
         self._lock = threading.Lock()
-        self._child = self._start(self.port)
-        self._monitor = Service(self._watch, 0.5, "store-supervisor")
+        self._child = self._serving(self._spawn(self.port, standby=False))
+        self._standby = self._spawn(self.port, standby=True)
+        self._monitor = Service(self._watch, self.WATCH_SECONDS, "store-supervisor")
 
-    def _start(self, port: int) -> subprocess.Popen[str]:
+    def _spawn(self, port: int, *, standby: bool) -> subprocess.Popen[str]:
         cmd = [sys.executable, "-m", "fgdiloco.elastic.serve", "--host", self.host, "--port", str(port),
-               "--parent", str(os.getpid())]
-        child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                 start_new_session=True)
-        line = child.stdout.readline() if child.stdout else ""  # "port N", or "error ..." and the end
+               "--parent", str(os.getpid()), *(["--standby"] if standby else [])]
+        return subprocess.Popen(cmd, stdin=subprocess.PIPE if standby else subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+
+    def _serving(self, child: subprocess.Popen[str]) -> subprocess.Popen[str]:
+        """Wait for ``child``'s ``port N`` (a standby's ``standby`` line first) and return it; raise RuntimeError
+        with what it said instead."""
+        line = ""
+        while child.stdout is not None:
+            line = child.stdout.readline()
+            if line != "standby\n":
+                break
         if not line.startswith("port "):
+            child.kill()
             child.wait()
-            raise RuntimeError(f"the gossip store could not serve on {self.host}:{port}: {line.strip() or 'it died'}")
+            raise RuntimeError(f"the gossip store could not serve on {self.host}:{self.port}: "
+                               f"{line.strip() or 'it died'}")
         self.port = int(line.split()[1])
         return child
+
+    def _take_over(self) -> subprocess.Popen[str] | None:
+        """The standby serves now (None: there was none alive, or it could not)."""
+        standby, self._standby = self._standby, None
+        if standby is None or standby.poll() is not None or standby.stdin is None:
+            return None
+        try:
+            standby.stdin.write("serve\n")
+            standby.stdin.flush()
+            return self._serving(standby)
+        except (OSError, RuntimeError) as err:
+            log.warning("fgdiloco: the gossip store's standby could not take over: %s", err)
+            return None
+
+    def _cold_start(self) -> subprocess.Popen[str] | None:
+        for attempt in range(20):  # the port may be held a moment after the death
+            try:
+                return self._serving(self._spawn(self.port, standby=False))
+            except RuntimeError as err:
+                if attempt == 19:
+                    log.error("fgdiloco: could not restart the gossip store on port %d: %s", self.port, err)
+                time.sleep(0.25)
+        return None
 
     def _watch(self) -> None:
         with self._lock:
             if self._closing or self._child.poll() is None:
                 return
             code = self._child.returncode
-            for attempt in range(20):  # the port may be held a moment after the death
-                try:
-                    self._child = self._start(self.port)
-                    break
-                except RuntimeError as err:
-                    if attempt == 19:
-                        log.error("fgdiloco: could not restart the gossip store on port %d: %s", self.port, err)
-                        return
-                    time.sleep(0.25)
+            child = self._take_over()
+            warm = child is not None
+            child = child or self._cold_start()
+            if child is None:
+                return
+            self._child = child
+            self._standby = self._spawn(self.port, standby=True)
             self.restarts += 1
-        print(f"[fgdiloco] the gossip store on {self.address} died (exit {code}) and was restarted "
-              f"({self.restarts} restart(s)); the workers reconnect and re-publish their state", file=sys.stderr,
+        how = "its standby took over" if warm else "cold: no standby was ready"
+        print(f"[fgdiloco] the gossip store on {self.address} died (exit {code}) and was restarted ({how}; "
+              f"{self.restarts} restart(s)); the workers reconnect and re-publish their state", file=sys.stderr,
               flush=True)
 
     @property
@@ -131,13 +175,15 @@ class SupervisedStore:
         return self._child.pid
 
     def close(self) -> None:
-        """Stop serving and stop restarting."""
+        """Stop serving and stop replacing (the standby ends too)."""
         with self._lock:
             self._closing = True
-            if self._child.poll() is None:
-                self._child.terminate()
+            for child in (self._standby, self._child):
+                if child is None or child.poll() is not None:
+                    continue
+                child.terminate()
                 try:
-                    self._child.wait(timeout=10)
+                    child.wait(timeout=10)
                 except subprocess.TimeoutExpired:
-                    self._child.kill()
+                    child.kill()
         self._monitor.stop()
