@@ -341,7 +341,7 @@ class FGDiLoCoConfig:
                                   group="deadlines")
     exchange_timeout: float = setting(60.0, Seconds(), "the rest of an exchange once the peer's first payload "
                                       "came (the adaptive deadline never exceeds it)", unit="s", group="deadlines")
-    liveness: float = setting(5.0, Seconds(4 * HEARTBEAT_SECONDS), "heartbeat silence after which a peer is taken "
+    liveness: float = setting(2.0, Seconds(4 * HEARTBEAT_SECONDS), "heartbeat silence after which a peer is taken "
                               "for dead or hung", unit="s", group="deadlines")
     collective_timeout: float = setting(60.0, Seconds(), "one collective of the exact (allreduce) topology",
                                         unit="s", group="deadlines")

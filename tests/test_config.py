@@ -22,7 +22,7 @@ FIELDS = {f.name: f for f in dataclasses.fields(FGDiLoCoConfig)}
 
 def test_defaults_are_valid_and_the_object_is_frozen():
     c = FGDiLoCoConfig()
-    assert c.sync_every == 50 and c.codec == "lowrank" and c.liveness == 5.0
+    assert c.sync_every == 50 and c.codec == "lowrank" and c.liveness == 2.0
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.sync_every = 3  # type: ignore[misc]
     assert FGDiLoCoConfig.sync_every == 50  # each default readable where it is written
@@ -61,7 +61,7 @@ def test_bools_are_not_counts_and_names_come_from_the_registries():
 
 def test_the_timeout_shorthand_sets_the_four_timeouts_not_given():
     c = FGDiLoCoConfig(timeout=7)
-    assert [getattr(c, n) for n in TIMEOUT_FIELDS] == [7.0] * 4 and c.liveness == 5.0
+    assert [getattr(c, n) for n in TIMEOUT_FIELDS] == [7.0] * 4 and c.liveness == 2.0
     c = FGDiLoCoConfig(timeout=7, join_timeout=3)
     assert (c.join_timeout, c.exchange_timeout) == (3.0, 7.0)
     assert FGDiLoCoConfig().replace(timeout=9, stage_timeout=2).stage_timeout == 2.0

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from fgdiloco.cli import main
+from fgdiloco.config import FGDiLoCoConfig
 from fgdiloco.pretrain import data as pdata
 from fgdiloco.pretrain.config import DEPARTURES, TrainConfig
 from fgdiloco.pretrain.data import (
@@ -420,7 +421,7 @@ def test_every_setting_is_a_flag_and_a_field_and_comes_back_from_the_command_lin
     # --timeout sets the four deadlines not given; liveness is its own
     cfg = TrainConfig.from_arguments(p.parse_args(["--timeout", "30", "--join-timeout", "5"]))
     assert (cfg.join_timeout, cfg.exchange_timeout, cfg.collective_timeout, cfg.stage_timeout, cfg.liveness) == (
-        5, 30, 30, 30, 5)
+        5, 30, 30, 30, FGDiLoCoConfig.liveness)
 
 
 def test_a_saved_configuration_comes_back_also_from_an_older_run():
@@ -430,7 +431,8 @@ def test_a_saved_configuration_comes_back_also_from_an_older_run():
     old = {"workers": 2, "steps": 24, "sync_every": 4, "codec": "lowrank", "rank": 2, "error_feedback": True,
            "timeout": 30.0, "topology": "ring", "outer_momentum": 0.3}
     cfg = TrainConfig.from_dict(old)
-    assert cfg.codec_rank == 2 and cfg.join_timeout == cfg.stage_timeout == 30.0 and cfg.liveness == 5.0
+    assert cfg.codec_rank == 2 and cfg.join_timeout == cfg.stage_timeout == 30.0
+    assert cfg.liveness == FGDiLoCoConfig.liveness
     with pytest.raises(TypeError, match="unknown TrainConfig field"):
         TrainConfig.from_dict({"no_such_field": 1})
     assert TrainConfig.from_dict({"no_such_field": 1, "steps": 3}, strict=False).steps == 3

@@ -9,7 +9,8 @@ torchrun job per replica group and a Lighthouse); fgdiloco needs no quorum, only
 * **slots**: the job has ``FGDILOCO_WORKERS`` worker slots; worker ``FGDILOCO_WORKER`` takes one. The gossip schedule
   is the same random matching over the slots on every worker (:class:`~fgdiloco.gossip.Topology`), so it stays
   doubly stochastic over whoever is live: a worker whose partner slot is empty (never joined, or departed with a
-  notice) skips that gossip round at once; a partner that died costs one liveness timeout (5 s) and then back-off.
+  notice) skips that gossip round at once; a partner that died costs one liveness timeout (2 s) and then back-off,
+  and one that fell rounds behind the job (it hung) is skipped at once until it catches up.
 * **incarnations**: each process that takes a slot is a new incarnation (a counter in the store). Exchange keys name
   both sides' incarnations, so a restarted worker never meets what its dead predecessor left behind, and its peers
   reset their back-off for it as soon as they see the new incarnation.

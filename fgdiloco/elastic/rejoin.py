@@ -12,7 +12,11 @@ Called by :class:`~fgdiloco.elastic.ElasticMembership` before every outer round 
   its own inner optimizer state and data position stay. A checkpoint a round or two old is kept: its rounds are not
   lost;
 * a joined worker that finds itself :data:`CATCH_UP_ROUNDS` behind the peers' *median* round (it hung, or its peers
-  went on without it) jumps to the live round, starting it from its own parameters. The median, not the newest: a
+  went on without it) jumps to that round with a live peer's state (its own is ``CATCH_UP_ROUNDS`` >=
+  :data:`ADOPT_ROUNDS` rounds old: mixed back in, it would pull its partners back; in the chaos job adopting took the
+  held-out loss from 1.017x to 1.010x the clean run's). Its partners skip it at once meanwhile
+  (:meth:`~fgdiloco.elastic.ElasticMembership.lagging`). The median counts only peers whose heartbeat moves
+  (:meth:`~fgdiloco.elastic.ElasticMembership.front`), and the median, not the newest: a
   worker that lost a few seconds to a dead peer while two others went on is waited for, not moved;
 * after the gossip store came back (``membership.resync``), when every worker trained on alone at its own pace, a
   worker behind the live round at all jumps there, so the workers meet again at once instead of the ahead ones

@@ -42,8 +42,8 @@ __all__ = ["Membership", "StoreMembership", "StorePool", "StoreUnreachable", "SU
 
 log = logging.getLogger("fgdiloco")
 
-#: Liveness of a peer that another worker already saw reset its connections (a dead process), seconds.
-SUSPECT_SECONDS = 2.0
+#: Liveness of a peer that another worker already saw reset its connections (a dead process), seconds (4 beats).
+SUSPECT_SECONDS = 1.0
 
 
 class StoreUnreachable(RuntimeError):
