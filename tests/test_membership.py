@@ -668,6 +668,25 @@ def test_a_joined_worker_that_fell_catch_up_rounds_behind_takes_a_live_peers_sta
     a.transport.close(), b.transport.close()
 
 
+def test_a_peers_state_older_than_this_workers_own_is_not_taken(store):
+    """A donor that is itself behind (a replica restarting too) must not send a worker back: the pipeline chaos run
+    had a replica at round 54 take a state of round 20. Then the worker keeps its own; a newer state is taken."""
+    a = _wrapper(_transport(store, 0, 2), 1.0)
+    b = _wrapper(_transport(store, 1, 2), 5.0)
+    a.outer.set(a.outer.theta0, a.outer.momentum, 2)
+    b.outer.set(b.outer.theta0, b.outer.momentum, 5)
+    assert b.outer.adopt(a.outer.committed_state()[1]) is None
+    assert b.round == 5 and b.rejoins == 0
+    for p in b.params:
+        assert torch.equal(p.detach(), torch.full_like(p, 5.0))
+    a.outer.set(a.outer.theta0, a.outer.momentum, 6)
+    assert b.outer.adopt(a.outer.committed_state()[1]) == 6 and b.round == 6
+    for p in b.params:
+        assert torch.equal(p.detach(), torch.ones_like(p))
+    a.close(), b.close()
+    a.transport.close(), b.transport.close()
+
+
 def test_elastic_arguments_that_cannot_hold_are_refused():
     model = torch.nn.Linear(2, 2)
     inner = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -114,16 +114,22 @@ class OuterState:
 
     def adopt(self, payload: bytes) -> int | None:
         """Take a peer's :meth:`committed_state` payload: its round, parameters and momentum. Returns the round, or
-        None (logged) when the frame is rejected (then nothing changed)."""
+        None (logged) when the frame is rejected or the state is older than this worker's own round (a donor that
+        was itself behind: in the pipeline chaos run a replica at round 54 took a state of round 20); then nothing
+        changed."""
         import logging
 
+        log = logging.getLogger("fgdiloco")
         try:
             r = int.from_bytes(payload[:8], "little")
             values = decode_frame(payload[8:], Dense(), self.theta0 + self.momentum, fingerprint=self.fingerprint,
                                   round=r, secret=self.secret)
         except FrameError as err:
-            logging.getLogger("fgdiloco").warning("fgdiloco rank %d: rejected a peer's state (%s); joining with its "
-                                                  "own", self.rank, err)
+            log.warning("fgdiloco rank %d: rejected a peer's state (%s); joining with its own", self.rank, err)
+            return None
+        if r < self.round:
+            log.warning("fgdiloco rank %d: a peer's state of round %d is older than this worker's own (round %d); "
+                        "joining with its own", self.rank, r, self.round)
             return None
         n = len(self.params)
         self.set(values[:n], values[n:], r)
