@@ -668,6 +668,23 @@ def test_a_joined_worker_that_fell_catch_up_rounds_behind_takes_a_live_peers_sta
     a.transport.close(), b.transport.close()
 
 
+def test_a_pipeline_stage_that_catches_up_keeps_its_own_state():
+    """Each stage of a pipeline replica would adopt from whichever replica answered first: stages of different
+    replicas, not trained together (the pipeline chaos job ended 1.05x its clean loss). A stage (a membership with
+    siblings) catches up with its own parameters; a restart's stale checkpoint is still replaced."""
+    from fgdiloco.elastic import rejoin
+
+    class Stage(_StartingMembership):
+        siblings = ("fgdiloco/j.stage1",)
+
+        def request_state(self):
+            raise AssertionError("a joined stage must not ask for a peer's state")
+
+    m, outer = Stage(True, {0: 5, 1: 5, 2: 6}), _Outer()
+    rejoin.before_round(m, outer)
+    assert outer.round == 5 and m.published == 5
+
+
 def test_a_peers_state_older_than_this_workers_own_is_not_taken(store):
     """A donor that is itself behind (a replica restarting too) must not send a worker back: the pipeline chaos run
     had a replica at round 54 take a state of round 20. Then the worker keeps its own; a newer state is taken."""

@@ -14,7 +14,10 @@ Called by :class:`~fgdiloco.elastic.ElasticMembership` before every outer round 
 * a joined worker that finds itself :data:`CATCH_UP_ROUNDS` behind the peers' *median* round (it hung, or its peers
   went on without it) jumps to that round with a live peer's state (its own is ``CATCH_UP_ROUNDS`` >=
   :data:`ADOPT_ROUNDS` rounds old: mixed back in, it would pull its partners back; in the chaos job adopting took the
-  held-out loss from 1.017x to 1.010x the clean run's). Its partners skip it at once meanwhile
+  held-out loss from 1.017x to 1.010x the clean run's). A stage of a pipeline replica keeps its own state here: each
+  stage would adopt from whichever replica answers first, and stages of different replicas were not trained
+  together (the pipeline chaos job ended 1.045-1.050x its clean loss so, 1.018x without). Its partners skip it at
+  once meanwhile
   (:meth:`~fgdiloco.elastic.ElasticMembership.lagging`). The median counts only peers whose heartbeat moves
   (:meth:`~fgdiloco.elastic.ElasticMembership.front`), and the median, not the newest: a
   worker that lost a few seconds to a dead peer while two others went on is waited for, not moved;
@@ -54,6 +57,7 @@ def before_round(membership: Any, outer: Any, agree: Callable[[list[int]], list[
     replica's stages, every stage calls it at every round start): they stop together, and they enter the same round,
     so their pipeline steps stay in step. Raises :class:`~fgdiloco.elastic.StoreUnreachable` to stop.
     """
+    replica = bool(getattr(membership, "siblings", ()))  # a stage of a pipeline replica
     agree = agree or (lambda values: values)
     joined = getattr(membership, "_joined", False)
     stop = membership.too_long_away()
@@ -62,7 +66,7 @@ def before_round(membership: Any, outer: Any, agree: Callable[[list[int]], list[
     if stop_all:
         membership.check_reachable(force=True)
     if target >= 0:
-        _enter(membership, outer, target, adopt=_stale(outer, target))
+        _enter(membership, outer, target, adopt=_stale(outer, target) and not (replica and joined))
     (final,) = agree([outer.round])
     if final > outer.round:  # another stage of this replica entered a later round (its donor was further on)
         outer.jump(final)
