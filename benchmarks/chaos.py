@@ -771,7 +771,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--self-check", action="store_true", help="check the schedule and summary helpers, then exit")
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--spare", type=int, default=2, help="slots beyond --workers, free for joiners")
-    p.add_argument("--rounds", type=int, default=320)
+    p.add_argument("--rounds", type=int, default=600)
     p.add_argument("--sync-every", type=int, default=20)
     p.add_argument("--n-embd", type=int, default=32)
     p.add_argument("--vocab-size", type=int, default=512)
