@@ -490,7 +490,8 @@ def main(argv: list[str] | None = None) -> int:
                    + (" --grid" if args.grid else "") + (" --outer-grid" if args.outer_grid else "")
                    + (f" --bandwidths {args.bandwidths}" if args.bandwidths else "")
                    + (f" --methods {args.methods}" if args.methods else "")
-                   + (f" --seeds {args.seeds}" if args.seeds else ""),
+                   + (f" --seeds {args.seeds}" if args.seeds else "")
+                   + (f" --cpus-per-worker {args.cpus_per_worker:g}" if args.cpus_per_worker else ""),
         "job": job, "workers": job["workers"], "methods": {m: METHODS[m] for m in methods}, "code": code,
         "bandwidths_mbit": bandwidths, "cap_seconds": cap,
         "notes": [

@@ -17,10 +17,9 @@ Called by :class:`~fgdiloco.elastic.ElasticMembership` before every outer round 
   held-out loss from 1.017x to 1.010x the clean run's). A stage of a pipeline replica keeps its own state here: each
   stage would adopt from whichever replica answers first, and stages of different replicas were not trained
   together (the pipeline chaos job ended 1.045-1.050x its clean loss so, 1.018x without). Its partners skip it at
-  once meanwhile
-  (:meth:`~fgdiloco.elastic.ElasticMembership.lagging`). The median counts only peers whose heartbeat moves
-  (:meth:`~fgdiloco.elastic.ElasticMembership.front`), and the median, not the newest: a
-  worker that lost a few seconds to a dead peer while two others went on is waited for, not moved;
+  once meanwhile (:meth:`~fgdiloco.elastic.ElasticMembership.lagging`). The median counts only peers whose
+  heartbeat moves (:meth:`~fgdiloco.elastic.ElasticMembership.front`), and the median, not the newest: a worker
+  that lost a few seconds to a dead peer while two others went on is waited for, not moved;
 * after the gossip store came back (``membership.resync``), when every worker trained on alone at its own pace, a
   worker behind the live round at all jumps there, so the workers meet again at once instead of the ahead ones
   waiting out their join deadline for the others.
