@@ -149,7 +149,6 @@ def supervise(job: Background, *, join_deadline: float, exchange_deadline: float
         ExchangeError: the deadline passed, ``watch`` raised one, or ``job`` failed (wrapped).
     """
     t0 = time.monotonic()
-    watch(t0, False)  # a peer already known to be gone, ahead or behind is not waited for at all
     while True:
         limit = met[0] + exchange_deadline if met else t0 + join_deadline
         now = time.monotonic()

@@ -27,7 +27,7 @@ timeout was spent: the peer left, declined, is absent, restarted or ahead, or is
 
 **Deadlines.** Until the peer's first payload arrives, a pair exchange waits at most ``join_timeout`` and only
 while the peer is live: one supervision loop (:func:`fgdiloco.runtime.supervise`) asks the membership every
-0.25 s (and once before it waits), so a dead, hung (SIGSTOPped) or departed peer costs at most ``liveness`` (2 s;
+0.25 s, so a dead, hung (SIGSTOPped) or departed peer costs at most ``liveness`` (2 s;
 1 s once another worker saw its connection reset), a side that gave up the exchange ends its peer's wait at once, a
 peer that fell ``CATCH_UP_ROUNDS`` behind the job's median round (it hung; it catches up at its next round start:
 :meth:`~fgdiloco.gossip.membership.Membership.lagging`) is skipped at once, and a live peer that is late because it
