@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from fgdiloco.config import FGDiLoCoConfig
+from fgdiloco.elastic.rejoin import CATCH_UP_ROUNDS
 from tests.pinned import clean_loss
 
 pytestmark = pytest.mark.slow  # every test here runs fgdiloco launch and its torchrun agents
@@ -123,8 +124,8 @@ def test_a_worker_that_dies_restarts_rejoins_and_the_job_ends_as_if_uninterrupte
 
 
 # long enough that the fifth worker (a torchrun start-up and a torch import, 5-15 s) joins a running job also on a
-# quiet machine, where a round of the tiny GPT takes 0.1-0.3 s
-HANG_ROUNDS = ["--rounds", "60"]
+# quiet machine, where a round of the tiny GPT takes 0.1-0.3 s (0.05-0.1 s while a hung partner is skipped)
+HANG_ROUNDS = ["--rounds", "120"]
 
 
 def _last_round(out: Path, k: int) -> int:
@@ -133,10 +134,12 @@ def _last_round(out: Path, k: int) -> int:
 
 
 def test_hang_join_and_leave_never_stall_the_others(env, tmp_path):
-    """5 slots, 4 workers started, on a store served by ``fgdiloco store``: worker 1 is SIGSTOPped for 12 s
-    (hung) and continued; a fifth worker joins mid-run (it adopts a live peer's state); worker 2 leaves at
-    round 8 (close(): a departure notice). Nobody waits for a timeout: the hang costs its partners the liveness
-    check, the departure nothing, and everyone ends at the last round."""
+    """5 slots, 4 workers started, on a store served by ``fgdiloco store``: a fifth worker joins mid-run (it adopts
+    a live peer's state); worker 1 is then SIGSTOPped (hung) until twice the liveness window has passed and its
+    peers are CATCH_UP_ROUNDS + 2 rounds ahead, and continued (it catches up with a live peer's state); worker 2
+    leaves at round 8 (close(): a departure notice). Nobody waits for a timeout: the hang costs its partners the
+    liveness check, the departure nothing, and everyone ends at the last round. Each step waits for the event it
+    needs (the job's pace differs between machines), none for a fixed time."""
     store = subprocess.Popen([sys.executable, "-m", "fgdiloco", "store", "--port", "0"], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -151,12 +154,14 @@ def test_hang_join_and_leave_never_stall_the_others(env, tmp_path):
         # worker 1 may itself join at round 1 when it starts last: wait for its first trained round, whichever
         _wait_for(lambda: _last_round(tmp_path, 1) >= 0, "worker 1's first round")
         joiner = _launch(e, tmp_path, *HANG_ROUNDS, workers=1, store=address, slots=5, first=4)
+        _wait_for(lambda: _last_round(tmp_path, 4) >= 0, "the joiner's first round")
         _wait_for(lambda: _last_round(tmp_path, 1) >= 3, "worker 1's round 3")
         pid = int((res / "worker1.pid").read_text())
         os.kill(pid, signal.SIGSTOP)
-        stopped = time.monotonic()
-        while time.monotonic() - stopped < 12:
-            time.sleep(0.2)
+        stopped, hung_at = time.monotonic(), _last_round(tmp_path, 1)
+        ahead = hung_at + CATCH_UP_ROUNDS + 2
+        _wait_for(lambda: time.monotonic() - stopped > 2 * FGDiLoCoConfig().liveness
+                  and min(_last_round(tmp_path, 0), _last_round(tmp_path, 3)) >= ahead, "worker 1's peers to go on")
         os.kill(pid, signal.SIGCONT)
         _finish(main)
         _finish(joiner)

@@ -510,6 +510,42 @@ def test_discarding_an_exchange_whose_peer_died_after_its_hello_does_not_wait_ou
     a.close()
 
 
+def test_a_departed_worker_does_not_wait_for_a_live_peer_that_saw_its_notice_and_never_builds(store):
+    """A leaving worker's prepared exchange: its peer posted its hello (so this side committed and went into Gloo's
+    pair set-up), then saw the departure notice and never builds its end. The peer is alive (its heartbeat moves), so
+    only the departure tells the discard not to wait: it ends at once instead of after the Gloo deadline (30 s here;
+    it held a leaving worker's close() 20 s in the launcher test, answering joiners with a stale state meanwhile)."""
+    key = "mix2/0/9"
+    a, b = _transport(store, 0, 2, timeout=30.0), _transport(store, 1, 2)
+    with b.membership.stores.lease() as s:  # the peer's hello, as its own prepare would post it
+        s.set(f"{b.membership.prefix(0, key)}/hello/1", b"go")
+    a.prepare(1, key=key)
+    with a.membership.stores.lease() as s:  # this side committed and went into Gloo
+        s.wait([f"{a.membership.prefix(1, key)}/decision"], timedelta(seconds=20))
+    a.membership.leave()
+    assert a.membership.departed and not b.membership.departed
+    t0 = time.monotonic()
+    a.discard(1, key=key)
+    assert time.monotonic() - t0 < 2.0 and b.membership.gone(0, t0) == "left"
+    a.close(), b.close()
+
+
+def test_a_departed_worker_answers_no_state_request(store):
+    """A worker that posted its departure notice donates no state: its round is frozen while the job goes on (a
+    joiner that took it would pull its partners back)."""
+    a, b, c = (_transport(store, r, 3).membership for r in range(3))
+    a.serve(lambda: (3, b"state of a"))
+    b.serve(lambda: (30, b"state of b"))
+    a.leave()
+    c.request_state()
+    with a.stores.lease() as s:
+        assert a.answer_requests(s) == 0
+    with b.stores.lease() as s:
+        assert b.answer_requests(s) == 1
+    assert c.await_state(5.0) == b"state of b"
+    a.close(), b.close(), c.close()
+
+
 def test_a_joiner_gets_one_answer_to_its_state_request(store):
     a, b, c = (_transport(store, r, 3).membership for r in range(3))
     a.serve(lambda: (3, b"state of a"))

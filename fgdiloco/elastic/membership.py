@@ -350,7 +350,7 @@ class ElasticMembership(StoreMembership):
         worker answered."""
         with self._serve_lock:
             wants = store.add(f"{self.namespace}/wants", 0)
-            if wants == self._wants_seen or self._source is None:
+            if wants == self._wants_seen or self._source is None or self.departed:
                 return 0
             self._wants_seen = wants
             others = [r for r in range(self.world_size) if r != self.rank]

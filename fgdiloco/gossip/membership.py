@@ -134,9 +134,13 @@ class Membership:
     unreachable = False
     #: how many times the store was reconnected to (exchanges set up before a reconnect are set up anew)
     epoch = 0
+    #: whether this worker has posted its departure notice (:meth:`leave`): it starts no exchange again, and a set-up
+    #: still running with any peer is not waited for (the peer may have seen the notice and never build the group)
+    departed = False
 
-    def leave(self) -> None:  # noqa: B027 - optional
+    def leave(self) -> None:
         """Post this worker's departure notice: every later exchange a peer attempts with it ends at once."""
+        self.departed = True
 
     # ---- rounds
     def peer_round(self, peer: int) -> int | None:
@@ -323,6 +327,7 @@ class StoreMembership(Membership):
             store.add(self._key("suspect", peer), 1)
 
     def leave(self) -> None:
+        super().leave()
         with self.stores.lease() as store:
             store.add(self._key("left", self.rank), 1)
 

@@ -385,7 +385,11 @@ class DistributedTransport(Transport):
     def _never_ends_soon(self, peer: int, since: float) -> bool:
         """Whether a set-up with ``peer`` still running is inside Gloo waiting for a peer that is gone (or whose
         state the store cannot tell): a discard does not wait for it (it ended after Gloo's own deadline, the
-        exchange timeout, and held a leaving worker's ``close()`` that long)."""
+        exchange timeout, and held a leaving worker's ``close()`` that long), nor for any set-up once this worker
+        has posted its departure notice: a peer that committed to the exchange and then saw the notice never builds
+        its end (the leaving worker's ``close()`` took the 20 s Gloo deadline so, answering joiners meanwhile)."""
+        if self.membership.departed:
+            return True
         try:
             return self.membership.gone(peer, since) is not None
         except Exception:  # noqa: BLE001 - a store we cannot reach: the thread ends with Gloo's deadline
