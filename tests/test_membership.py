@@ -30,7 +30,7 @@ from fgdiloco.elastic import (
 from fgdiloco.elastic.membership import BEATING_SECONDS
 from fgdiloco.elastic.rejoin import ADOPT_ROUNDS, CATCH_UP_ROUNDS
 from fgdiloco.factor import Dense
-from fgdiloco.gossip.membership import StoreMembership
+from fgdiloco.gossip.membership import StoreMembership, StorePool
 from fgdiloco.gossip.mix import Mixer, PeerHealth
 from fgdiloco.gossip.topology import make_topology
 from fgdiloco.gossip.transport import DistributedTransport, PeerDeclined, PeerGone
@@ -842,3 +842,34 @@ def test_a_life_whose_script_returned_exits_0_after_its_exit_handlers_without_in
     assert len([ln for ln in lives.read_text().splitlines() if '"start"' in ln]) == 3
 
 
+
+
+def test_a_new_store_connection_after_the_server_died_fails_at_once_not_after_the_stores_timeout():
+    """The pool's third concurrent user needs a new connection (a clone). A TCPStore clone retries its connect for
+    the store's whole timeout (30 min for Lightning's or init_process_group's store): after the launcher's rank 0
+    (which hosts the store) died, one such clone hung a rank that should have stopped at store_timeout (CI). The
+    pool probes the server first and fails in about a second; connections through a PrefixStore are probed too."""
+    port_r, port_w = os.pipe()  # child -> parent: the port
+    end_r, end_w = os.pipe()  # parent -> child: die now
+    pid = os.fork()
+    if pid == 0:  # the server's process: serves until the parent says so, then dies
+        try:
+            server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60), use_libuv=True)
+            os.write(port_w, str(server.port).encode().ljust(8))
+            os.read(end_r, 1)
+        finally:
+            os._exit(0)
+    port = int(os.read(port_r, 8))
+    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60), use_libuv=True)
+    pool = StorePool(dist.PrefixStore("job", client))
+    held = [pool.acquire(), pool.acquire()]  # the two warm connections are in use
+    extra = pool.acquire()  # the server is up: a new connection works
+    extra.set("k", "v")
+    pool.release(extra)
+    held.append(pool.acquire())
+    os.write(end_w, b"x")
+    os.waitpid(pid, 0)
+    t0 = time.monotonic()
+    with pytest.raises(dist.DistNetworkError, match="does not accept a connection"):
+        pool.acquire()
+    assert time.monotonic() - t0 < 3.0

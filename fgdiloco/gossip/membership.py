@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -64,10 +65,12 @@ class StorePool:
         self._old: set[int] = set()  # ids of connections to a store that was replaced
 
     def acquire(self) -> dist.Store:
+        """A free connection, or a new one (raises ``DistNetworkError`` at once when the store's server is gone)."""
         with self._lock:
             if self._free:
                 return self._free.pop()
             base = self._base
+        _probe(base)
         return base.clone()
 
     def release(self, store: dist.Store) -> None:
@@ -92,6 +95,31 @@ class StorePool:
             yield store
         finally:
             self.release(store)
+
+
+def _address(store: dist.Store) -> tuple[str, int] | None:
+    """The (host, port) of the TCPStore server behind ``store`` (through any PrefixStores), or None."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return (store.host, store.port) if isinstance(store, dist.TCPStore) else None
+
+
+def _probe(store: dist.Store) -> None:
+    """Raise ``DistNetworkError`` when the TCPStore server behind ``store`` does not accept a connection within 1 s.
+
+    A TCPStore clone retries its connect for the store's whole timeout (30 min for a group that Lightning or
+    ``init_process_group`` built), so a thread that needed a new connection after the server died (a launcher's
+    rank 0 hosts it) held its worker that long: a rank that should have stopped at ``store_timeout`` hung instead.
+    """
+    address = _address(store)
+    if address is None:
+        return
+    try:
+        with socket.create_connection(address, timeout=1.0):
+            pass
+    except OSError as err:
+        raise dist.DistNetworkError(f"the store's server at {address[0]}:{address[1]} does not accept a "
+                                    f"connection: {err}") from err
 
 
 class Membership:
