@@ -660,6 +660,17 @@ def test_rejoin_with_own_state_jumps_to_the_live_round_and_keeps_its_parameters(
     a.transport.close(), b.transport.close()
 
 
+def _took_a_state_kept_its_inner_state(a, b) -> None:
+    """``b`` holds ``a``'s round-start parameters (ones) and outer momentum (0.5) and its own inner lr (0.25)."""
+    for p in b.params:
+        assert torch.equal(p.detach(), torch.ones_like(p))
+    for m in b.outer.momentum:
+        assert torch.equal(m, torch.full_like(m, 0.5))
+    assert b.inner_optimizer.param_groups[0]["lr"] == 0.25
+    a.close(), b.close()
+    a.transport.close(), b.transport.close()
+
+
 def test_rejoin_with_a_checkpoint_adopt_rounds_old_takes_the_live_peers_state_and_keeps_its_inner_state(store):
     """A restart from a checkpoint ADOPT_ROUNDS or more behind the live round adopts a live peer's parameters and
     outer momentum (it would pull its partners back to an older model), and keeps its own inner optimizer state."""
@@ -671,13 +682,7 @@ def test_rejoin_with_a_checkpoint_adopt_rounds_old_takes_the_live_peers_state_an
     a.transport.membership.publish_round(ADOPT_ROUNDS)
     a.transport.membership.serve(a.outer.committed_state)
     assert b.rejoin() == ADOPT_ROUNDS and b.rejoins == 1
-    for p in b.params:
-        assert torch.equal(p.detach(), torch.ones_like(p))
-    for m in b.outer.momentum:
-        assert torch.equal(m, torch.full_like(m, 0.5))
-    assert b.inner_optimizer.param_groups[0]["lr"] == 0.25
-    a.close(), b.close()
-    a.transport.close(), b.transport.close()
+    _took_a_state_kept_its_inner_state(a, b)
 
 
 def test_a_joined_worker_that_fell_catch_up_rounds_behind_takes_a_live_peers_state(store):
@@ -695,13 +700,7 @@ def test_a_joined_worker_that_fell_catch_up_rounds_behind_takes_a_live_peers_sta
     a.transport.membership.serve(a.outer.committed_state)
     b.transport.membership.before_round(b.outer)
     assert b.round == CATCH_UP_ROUNDS and b.rejoins == 1
-    for p in b.params:
-        assert torch.equal(p.detach(), torch.ones_like(p))
-    for m in b.outer.momentum:
-        assert torch.equal(m, torch.full_like(m, 0.5))
-    assert b.inner_optimizer.param_groups[0]["lr"] == 0.25
-    a.close(), b.close()
-    a.transport.close(), b.transport.close()
+    _took_a_state_kept_its_inner_state(a, b)
 
 
 def test_a_pipeline_stage_that_catches_up_keeps_its_own_state():
