@@ -13,9 +13,10 @@ restart and rejoin; ``--fail-at-start-worker K`` makes it die before it builds a
 departure notice). When the gossip store is out of reach for ``--store-timeout`` seconds, ``opt.step()`` raises
 ``StoreUnreachable``: the worker stops with its last checkpoint, and ``fgdiloco launch --resume`` (the same command
 again) continues from it.
-``--chaos`` (for ``benchmarks.chaos``): SIGUSR1 makes the worker leave cleanly at its next step (``opt.close()``, exit
-0), and SIGUSR2 makes it send bad frames for ``--chaos-bad-rounds`` outer rounds (alternately corrupt: a byte
-flipped; and foreign: another model layout's fingerprint), which its peers reject.
+``--join-when PATH`` builds everything, then waits for PATH to exist before it joins (a joiner that arrives at a
+chosen moment). ``--chaos`` (for ``benchmarks.chaos``): SIGUSR1 makes the worker leave cleanly at its next step
+(``opt.close()``, exit 0), and SIGUSR2 makes it send bad frames for ``--chaos-bad-rounds`` outer rounds
+(alternately corrupt: a byte flipped; and foreign: another model layout's fingerprint), which its peers reject.
 ``--results DIR`` writes ``DIR/worker<k>.pid`` when a worker starts (kept afterwards) and ``DIR/worker<k>.json``
 (rounds trained, held-out loss, rejoins, failed exchanges and their messages) when it finishes.
 """
@@ -55,6 +56,9 @@ p.add_argument("--fail-at-start-lives", type=int, default=1)
 p.add_argument("--leave-worker", type=int, default=None, help="this worker leaves (close()) at --leave-round")
 p.add_argument("--leave-round", type=int, default=3)
 p.add_argument("--results", default=None, help="write <dir>/worker<k>.json at the end")
+p.add_argument("--join-when", default=None,
+               help="build everything, then wait for this file to exist before joining the job (a joiner that "
+                    "arrives at a chosen moment, whatever its start-up costs)")
 p.add_argument("--chaos", action="store_true", help="SIGUSR1: leave cleanly; SIGUSR2: send bad frames for a while")
 p.add_argument("--chaos-bad-rounds", type=int, default=2, help="outer rounds of bad frames per SIGUSR2")
 args = p.parse_args()
@@ -91,6 +95,8 @@ tok = data.build_tokenizer(text, "bpe", vocab_size=args.vocab_size, cache_dir=ca
 train, val = data.split_tokens(data.encode_corpus(text, tok, cache_dir=cache))
 val_batches = [data.sample_batch(val, 16, args.block_size, torch.Generator().manual_seed(i)) for i in range(4)]
 
+while args.join_when and not Path(args.join_when).exists():
+    time.sleep(0.05)
 torch.manual_seed(0)  # the same initial model on every worker (an elastic job has no broadcast)
 model = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=args.block_size, n_layer=args.n_layer, n_head=4,
                       n_embd=args.n_embd, dropout=0.0))

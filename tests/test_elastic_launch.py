@@ -123,8 +123,8 @@ def test_a_worker_that_dies_restarts_rejoins_and_the_job_ends_as_if_uninterrupte
     assert mean < 5.6  # and it learned: well below the initial loss (ln 512 = 6.24)
 
 
-# long enough that the fifth worker (a torchrun start-up and a torch import, 5-15 s) joins a running job also on a
-# quiet machine, where a round of the tiny GPT takes 0.1-0.3 s (0.05-0.1 s while a hung partner is skipped)
+# the fifth worker starts up with the others and joins when told (--join-when); then worker 1 hangs until its peers
+# are CATCH_UP_ROUNDS + 2 ahead: ~30 rounds of the tiny GPT (0.1-0.3 s each; 0.05-0.1 s while a partner is skipped)
 HANG_ROUNDS = ["--rounds", "120"]
 
 
@@ -151,9 +151,12 @@ def test_hang_join_and_leave_never_stall_the_others(env, tmp_path):
         main = _launch(e, tmp_path, "--leave-worker", "2", "--leave-round", "8", *HANG_ROUNDS, store=address,
                        slots=5)
         res = tmp_path / "res"
-        # worker 1 may itself join at round 1 when it starts last: wait for its first trained round, whichever
-        _wait_for(lambda: _last_round(tmp_path, 1) >= 0, "worker 1's first round")
-        joiner = _launch(e, tmp_path, *HANG_ROUNDS, workers=1, store=address, slots=5, first=4)
+        go = tmp_path / "joiner.go"  # the joiner starts up now and joins when the job is running
+        joiner = _launch(e, tmp_path, *HANG_ROUNDS, "--join-when", str(go), workers=1, store=address, slots=5,
+                         first=4)
+        # worker 1 may itself join at round 1 when it starts last: wait for its first trained rounds, whichever
+        _wait_for(lambda: _last_round(tmp_path, 1) >= 1, "worker 1's second round")
+        go.touch()
         _wait_for(lambda: _last_round(tmp_path, 4) >= 0, "the joiner's first round")
         _wait_for(lambda: _last_round(tmp_path, 1) >= 3, "worker 1's round 3")
         pid = int((res / "worker1.pid").read_text())
@@ -292,13 +295,15 @@ def test_an_elastic_pipeline_replica_that_loses_a_stage_restarts_whole_and_a_hun
                                                                                                       tmp_path):
     """fgdiloco launch --stages 2: each replica is one torchrun job of its 2 stages. Stage 1 of replica 1 dies at
     round 5: torchrun restarts both of its stages (a fresh process group: init_replica_group), they resume from their
-    checkpoints. Later stage 0 of replica 0 is SIGSTOPped for 11 s (hung, longer than the 2 s liveness) and
-    continued: nobody is restarted or waits out a deadline, and replica 1 trains on during the hang, after the
-    liveness: its stage 0 skips the hung stage, and its stage 1 skips replica 0's stage 1, which still beats while
-    it waits for its hung stage 0 (a peer whose replica has a silent stage is gone: docs/faults.md). Both replicas
-    finish every round."""
+    checkpoints. Later stage 0 of replica 0 is SIGSTOPped (hung, longer than the 2 s liveness) until replica 1's
+    two stages have trained rounds after the liveness, and continued: nobody is restarted or waits out a deadline,
+    and replica 1 trains on during the hang, after the liveness: its stage 0 skips the hung stage, and its stage 1
+    skips replica 0's stage 1, which still beats while it waits for its hung stage 0 (a peer whose replica has a
+    silent stage is gone: docs/faults.md). Both replicas finish every round."""
     script = str(ROOT / "examples" / "elastic_pipeline.py")
-    rounds = 100
+    # replica 0 trains alone while replica 1 restarts (torchrun and two torch imports: 8 s on a loaded CI machine, at
+    # 0.13 s a round alone; 100 rounds ended before the restart was in) and while its own stage hangs
+    rounds = 250
     cmd = [sys.executable, "-m", "fgdiloco", "launch", "--workers", "2", "--stages", "2", "--max-restarts", "2",
            "--log-dir", str(tmp_path / "logs"), script, "--rounds", str(rounds), "--checkpoint-dir",
            str(tmp_path / "ckpt"), "--crash-worker", "1", "--crash-stage", "1", "--crash-round", "5", "--results",
@@ -313,8 +318,10 @@ def test_an_elastic_pipeline_replica_that_loses_a_stage_restarts_whole_and_a_hun
         pid = _stage_pids(tmp_path / "logs" / "worker0.lives")[0]
         stopped = time.time()
         os.kill(pid, signal.SIGSTOP)
-        while time.time() - stopped < 11:
-            time.sleep(0.2)
+        liveness = FGDiLoCoConfig().liveness
+        _wait_for(lambda: time.time() - stopped > 2 * liveness and all(
+            sum(t > stopped + liveness for _, t in _stage_rounds(tmp_path, 1, stage)) >= 3 for stage in range(2)),
+            "replica 1 to train on during the hang")
         os.kill(pid, signal.SIGCONT)
         resumed = time.time()
     finally:
