@@ -37,7 +37,6 @@ import datetime
 import logging
 import os
 import secrets
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -46,7 +45,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..config import HEARTBEAT_SECONDS, FGDiLoCoConfig
-from ..gossip.membership import StoreMembership, StoreUnreachable
+from ..gossip.membership import StoreMembership, StoreUnreachable, server_accepts
 
 __all__ = ["ElasticMembership", "SlotTaken", "StoreUnreachable"]
 
@@ -308,9 +307,9 @@ class ElasticMembership(StoreMembership):
             return
         self._last_attempt = now
         host, port = self._address
-        try:  # a plain TCP connect first: a TCPStore client that cannot connect logs c10d errors every time
-            with socket.create_connection((host, port), timeout=1.0):
-                pass
+        if not server_accepts(host, port):
+            return
+        try:
             fresh = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=2), use_libuv=True)
         except Exception:  # noqa: BLE001 - still away: try again at a later beat
             return

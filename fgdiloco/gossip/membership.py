@@ -112,14 +112,18 @@ def _probe(store: dist.Store) -> None:
     rank 0 hosts it) held its worker that long: a rank that should have stopped at ``store_timeout`` hung instead.
     """
     address = _address(store)
-    if address is None:
-        return
+    if address is not None and not server_accepts(*address):
+        raise dist.DistNetworkError(f"the store's server at {address[0]}:{address[1]} does not accept a connection")
+
+
+def server_accepts(host: str, port: int) -> bool:
+    """Whether a store server at ``host:port`` accepts a plain TCP connection within 1 s (a TCPStore client that
+    cannot connect retries for its whole timeout and logs c10d errors every time: look first)."""
     try:
-        with socket.create_connection(address, timeout=1.0):
-            pass
-    except OSError as err:
-        raise dist.DistNetworkError(f"the store's server at {address[0]}:{address[1]} does not accept a "
-                                    f"connection: {err}") from err
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
 
 
 class Membership:
