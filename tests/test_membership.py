@@ -131,6 +131,34 @@ def test_a_worker_that_finds_the_job_past_round_0_does_not_wait_for_the_first_wo
     a.close(), b.close()
 
 
+def test_a_first_worker_is_joined_from_its_registration_so_a_resumed_jobs_partner_waits_for_it(store):
+    """A resumed job starts at its checkpoints' round, not at 0. A first worker that passed the start barrier and
+    published that round before its partner looked again was taken by the partner for a late joiner: not joined, so
+    skipped, and it jumped to the live round (CI: a resumed worker's rounds 4-6 were missing). A worker that
+    registers before any has passed the barrier is joined from then on; one that registers after is joining until
+    its first round start."""
+    got = {}
+    t = threading.Thread(target=lambda: got.setdefault(1, connect(store.address, 1, 3, job="j", min_workers=2)))
+    t.start()
+    client = _client(store)
+    while client.add("fgdiloco/j/alive/1", 0) == 0 and t.is_alive():  # worker 1 registered: it waits at the barrier
+        time.sleep(0.01)
+    a = connect(store.address, 0, 3, job="j", min_workers=2)  # worker 1 beats: worker 0 passes at once
+    a.membership.publish_round(3)  # the resumed job's start round
+    t.join()
+    b = got[1]
+    assert a.membership.first and b.membership.first and b.membership._joined
+    with a.membership.stores.lease() as s:
+        assert a.membership._slot_verdict(s, 1, 1) is None  # worker 1 is waited for at round 3, not skipped
+    # registers after the barrier was passed, as connect would: a late joiner (or a restart)
+    late = ElasticMembership(_client(store), 2, 3, "fgdiloco/j", first=True)
+    assert not late.first and not late._joined
+    with a.membership.stores.lease() as s:
+        assert a.membership._slot_verdict(s, 2, 1) == "joining"  # skipped until its first round start
+    late.close()
+    a.close(), b.close()
+
+
 class _StartingMembership:
     """What :func:`fgdiloco.elastic.rejoin.before_round` asks of a membership: peers at fixed rounds."""
 

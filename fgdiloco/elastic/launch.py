@@ -104,10 +104,12 @@ def connect(address: str | None = None, worker: int | None = None, workers: int 
 
     Arguments default to the environment (:func:`settings`). Admission: every worker of a job must have the same slot
     count, model layout (``fingerprint``) and job secret (``secret``: only an HMAC of it goes to the store); the
-    first worker's are the job's. The first workers wait (at most ``wait`` seconds, default ``timeout``) until
-    ``min_workers`` slots (default: all) have joined, so that no one spends round 0 with an empty partner slot (a
-    worker that finds the job past round 0, a restart or a late joiner, does not wait: after a restart of the store
-    the slots of workers that finished, left or are down meanwhile never count as joined again); after
+    first worker's are the job's. The job's first workers (those that register before any worker has passed this
+    start barrier: joined from then on, whatever round they start at, e.g. a resumed job's checkpoint round) wait
+    (at most ``wait`` seconds, default ``timeout``) until ``min_workers`` slots (default: all) have joined, so that
+    no one spends its first round with an empty partner slot (a restart or a late joiner does not wait, nor does a
+    worker that finds the job past round 0: after a restart of the store the slots of workers that finished, left
+    or are down meanwhile never count as joined again); after
     that they start without the missing slots (a warning names them; those slots join later, or never: their
     exchanges are skipped at once). ``sibling_jobs``: for a stage of an elastic pipeline replica (each stage
     gossips in a job of its own, ``<job>.stage<s>``), the jobs of its replica's other stages, whose heartbeats
@@ -133,13 +135,14 @@ def connect(address: str | None = None, worker: int | None = None, workers: int 
     keys = _admit(store, str(s["job"]), int(s["workers"]), fingerprint, secret)
     membership = ElasticMembership(store, int(s["worker"]), int(s["workers"]), f"fgdiloco/{s['job']}",
                                    liveness=liveness, address=(host, port), store_timeout=store_timeout,
-                                   job_keys=keys, siblings=[f"fgdiloco/{j}" for j in sibling_jobs])
+                                   job_keys=keys, siblings=[f"fgdiloco/{j}" for j in sibling_jobs],
+                                   first=True)
     transport = DistributedTransport(membership=membership, join_timeout=timeout, liveness=liveness)
     t0, want, wait = time.monotonic(), int(s["min_workers"]), timeout if wait is None else wait
     while True:
         joined, live = membership.joined(), membership.live_round() or 0
-        if len(joined) >= want or live > 0:
-            break  # enough slots joined, or the job is past round 0: a restart or a late joiner waits for no one
+        if not membership.first or len(joined) >= want or live > 0:
+            break  # enough slots joined, or the job has begun: a restart or a late joiner waits for no one
         if time.monotonic() - t0 > wait:
             missing = sorted(set(range(int(s["workers"]))) - set(joined))
             log.warning("fgdiloco: worker %d starts without slot(s) %s: only %d of the %d first workers joined "
@@ -147,8 +150,9 @@ def connect(address: str | None = None, worker: int | None = None, workers: int 
                         missing[:10], len(joined), want, wait)
             break
         time.sleep(0.1)
-    if live == 0:  # one of the job's first workers: joined from the start barrier on (see ElasticMembership)
-        membership.mark_joined()
+    if live == 0:  # the job still at round 0: this worker is waited for there and joined from now on, as the
+        membership.mark_joined()  # first workers are from their registration (see ElasticMembership)
+    membership.begin()  # from now on a worker that registers is a restart or a late joiner
     log.info("fgdiloco: worker %d of %d joined job %r on %s:%d (incarnation %d)", transport.rank,
              transport.world_size, s["job"], host, port, membership.incarnation)
     return transport

@@ -12,6 +12,10 @@
   importing, loading its checkpoint or waiting for a peer's state for seconds): once the job is past round 0, its
   peers skip their exchanges with it at once instead of waiting their join deadline for a worker that will enter a
   later round (``joined``: the incarnation that started a round). At round 0 everyone is joining and is waited for.
+  The job's *first workers* (those that registered before any worker passed the start barrier of
+  :func:`~fgdiloco.elastic.connect`; the job's ``begun`` key) are joined from their registration on, whatever
+  round they start at: a resumed job starts at its checkpoints' round, and a first worker that passed the barrier
+  and started that round before its partner had looked must not take the partner for a late joiner.
 * **Published rounds.** Every worker publishes the outer round it starts; the *live round* is the newest any slot
   reached. A worker that restarted, hung, or joins late enters the job there (:mod:`fgdiloco.elastic.rejoin`).
 * **State for joiners.** A worker without state of its own asks for one (:meth:`ElasticMembership.request_state`);
@@ -93,6 +97,9 @@ class ElasticMembership(StoreMembership):
         siblings: a pipeline stage's: the namespaces of its replica's other stages (``fgdiloco/<job>.stage<t>``);
             a peer whose replica has a stage without a heartbeat for ``liveness`` is gone (a hung stage holds its
             replica).
+        first: :func:`~fgdiloco.elastic.connect`'s: when no worker has passed the job's start barrier yet
+            (:meth:`begin`), this process is one of the job's first workers and joined from its registration on
+            (:attr:`first` says whether it was).
 
     Raises:
         ValueError: ``rank`` or ``world_size`` out of range, or an empty ``namespace``.
@@ -103,7 +110,7 @@ class ElasticMembership(StoreMembership):
     def __init__(self, store: dist.Store, rank: int, world_size: int, namespace: str, *,
                  liveness: float = FGDiLoCoConfig.liveness, address: tuple[str, int] | None = None,
                  store_timeout: float = FGDiLoCoConfig.store_timeout, job_keys: dict[str, bytes] | None = None,
-                 siblings: Sequence[str] = ()):
+                 siblings: Sequence[str] = (), first: bool = False):
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1 (the job's worker slots), got {world_size!r}")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -123,6 +130,7 @@ class ElasticMembership(StoreMembership):
         self.resync = False
         self.round_now = 0  # the round this worker is in (published again to a restarted store)
         self._joined = False  # whether this process has joined the job's rounds (see mark_joined)
+        self._may_be_first, self.first, self._began = bool(first), False, False
         super().__init__(store, rank, world_size, namespace, liveness=liveness, store_timeout=store_timeout,
                          siblings=siblings)
 
@@ -143,6 +151,19 @@ class ElasticMembership(StoreMembership):
         if store.add(self._key("left", self.rank), 0) > 0:  # a predecessor's departure notice is not ours
             store.set(self._key("left", self.rank), "0")
         self._published = store.add(self._key("round", self.rank), 0)
+        # before the first heartbeat: no one passes the start barrier without this slot once it beats, so a worker
+        # that finds the job not begun here is waited for at the barrier, and joined before anyone can see it
+        if self._may_be_first and store.add(f"{self.namespace}/begun", 0) == 0:
+            self.first = True
+            self._post_joined(store)
+
+    def begin(self) -> None:
+        """This worker passed the job's start barrier (:func:`~fgdiloco.elastic.connect`): processes that register
+        from now on are not first workers (they join at their first round start). Re-posted to a restarted
+        store."""
+        self._began = True
+        with self.stores.lease() as store:
+            store.add(f"{self.namespace}/begun", 1)
 
     def _claim(self, store: dist.Store) -> None:
         """Take this slot, unless another live process holds it (:class:`SlotTaken`)."""
@@ -182,15 +203,17 @@ class ElasticMembership(StoreMembership):
     def mark_joined(self) -> None:
         """Tell the job that this process takes part in its rounds: its peers exchange with it from now on (until
         then they skip it at once, see the module docstring). A restart or a late joiner posts it at its first
-        round start, once it has entered the live round; one of the job's first workers when it passes the start
-        barrier (:func:`~fgdiloco.elastic.connect`, the job still at round 0), so that a set-up ending after its
-        partners' is waited for at every exchange, as at round 0, instead of being skipped from round 1 on (its
-        partners not paired with it in round 0 went on to round 1 without it: the trajectory depended on timing).
-        Idempotent."""
-        self._joined = True
+        round start, once it has entered the live round; one of the job's first workers at its registration (see
+        ``first``), so that a set-up ending after its partners' is waited for at every exchange, as at round 0,
+        instead of being skipped from round 1 on (its partners not paired with it in round 0 went on to round 1
+        without it: the trajectory depended on timing). Idempotent."""
         with self.stores.lease() as store:
-            key = self._key("joined", self.rank)
-            store.add(key, self.incarnation - store.add(key, 0))
+            self._post_joined(store)
+
+    def _post_joined(self, store: dist.Store) -> None:
+        self._joined = True
+        key = self._key("joined", self.rank)
+        store.add(key, self.incarnation - store.add(key, 0))
 
     def returned(self, peer: int) -> bool:
         with self.stores.lease() as store:
@@ -335,6 +358,8 @@ class ElasticMembership(StoreMembership):
         for kind, value in ([("joined", self.incarnation)] if self._joined else []) + own:
             key = self._key(kind, self.rank)
             self._published = store.add(key, value - store.add(key, 0))
+        if self._began and store.add(f"{self.namespace}/begun", 0) == 0:
+            store.add(f"{self.namespace}/begun", 1)
         with self._lock:
             self._seen.clear()  # heartbeats restart from 0 on a new store
 
