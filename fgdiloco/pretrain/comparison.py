@@ -63,6 +63,14 @@ METHODS: dict[str, dict[str, Any]] = {
                       "mix_momentum": False},
     "fg-lowrank-t2-nm": {"topology": "random", "codec": "lowrank", "codec_rank": 4, "mix2_rounds": 1,
                          "overlap_steps": 2, "mix_momentum": False},
+    # a longer overlap (tau = 4 of H = 10): Mix2 hides a partner up to 4 steps behind, and carries 4 steps of delay
+    "fg-lowrank-t4-nm": {"topology": "random", "codec": "lowrank", "codec_rank": 4, "mix2_rounds": 1,
+                         "overlap_steps": 4, "mix_momentum": False},
+    # spending some of the bytes saved on mixing: two Mix2 gossip rounds, or rank 8
+    "fg-lowrank-t4-nm-m2": {"topology": "random", "codec": "lowrank", "codec_rank": 4, "mix2_rounds": 2,
+                            "overlap_steps": 4, "mix_momentum": False},
+    "fg-lowrank-t4-nm-r8": {"topology": "random", "codec": "lowrank", "codec_rank": 8, "mix2_rounds": 1,
+                            "overlap_steps": 4, "mix_momentum": False},
     # FG-DiLoCo with Streaming DiLoCo's fragments (F = 2), its overlap (tau = 2 inner steps) and its merge
     # (alpha = 0.5): the tuning grid of benchmarks.wan --peers (F = 4 does not divide H = 10)
     "fg-stream-f2": {"topology": "random", "codec": "lowrank", "codec_rank": 4, "mix2_rounds": 1, "fragments": 2},
@@ -80,6 +88,7 @@ METHODS: dict[str, dict[str, Any]] = {
     "torchft-diloco": {"peer": {"backend": "torchft", "fragments": 1}},
     # torchft DiLoCo with Streaming DiLoCo's overlap and no fragments: the all-reduce starts 2 steps early
     "torchft-diloco-t2": {"peer": {"backend": "torchft", "fragments": 1, "fragment_sync_delay": 2}},
+    "torchft-diloco-t4": {"peer": {"backend": "torchft", "fragments": 1, "fragment_sync_delay": 4}},
     "torchft-streaming": {"peer": {"backend": "torchft", "fragments": 2, "fragment_sync_delay": 2,
                                    "fragment_update_alpha": 0.5}},
     # the same grid for Streaming DiLoCo (torchft-streaming above is its F = 2, tau = 2, alpha = 0.5 point)
@@ -88,10 +97,10 @@ METHODS: dict[str, dict[str, Any]] = {
     "torchft-streaming-f2-a0.5": {"peer": {"backend": "torchft", "fragments": 2, "fragment_update_alpha": 0.5}},
 }
 #: the tuning grid, per side: the methods each side's best setting is chosen from (:func:`peer_targets`)
-FG_GRID = ("fg-lowrank-r2=1", "fg-lowrank-t2", "fg-lowrank-nm", "fg-lowrank-t2-nm", "fg-stream-f2", "fg-stream-f2-t2",
-           "fg-stream-f2-a0.5", "fg-stream-f2-t2-a0.5")
-STREAMING_GRID = ("torchft-streaming", "torchft-diloco-t2", "torchft-streaming-f2", "torchft-streaming-f2-t2",
-                  "torchft-streaming-f2-a0.5")
+FG_GRID = ("fg-lowrank-r2=1", "fg-lowrank-t2", "fg-lowrank-nm", "fg-lowrank-t2-nm", "fg-lowrank-t4-nm",
+           "fg-lowrank-t4-nm-r8", "fg-stream-f2", "fg-stream-f2-t2", "fg-stream-f2-a0.5", "fg-stream-f2-t2-a0.5")
+STREAMING_GRID = ("torchft-streaming", "torchft-diloco-t2", "torchft-diloco-t4", "torchft-streaming-f2",
+                  "torchft-streaming-f2-t2", "torchft-streaming-f2-a0.5")
 #: the methods --peers adds to the default set
 PEERS = ("torchft-diloco", "torchft-streaming")
 #: --outer-grid: (outer lr, outer momentum) points run for each side's best setting of the F/tau/alpha grid (the
@@ -108,11 +117,15 @@ LABEL = {"ddp": "DDP (per step)", "diloco": "DiLoCo", "localsgd": "post-local SG
          "fg-lowrank-t2": "FG-DiLoCo LowRank r4, tau=2",
          "fg-lowrank-nm": "FG-DiLoCo LowRank r4, Mix1 without momentum",
          "fg-lowrank-t2-nm": "FG-DiLoCo LowRank r4, tau=2, Mix1 without momentum",
+         "fg-lowrank-t4-nm": "FG-DiLoCo LowRank r4, tau=4, Mix1 without momentum",
+         "fg-lowrank-t4-nm-m2": "FG-DiLoCo LowRank r4, tau=4, Mix1 without momentum, 2 Mix2 rounds",
+         "fg-lowrank-t4-nm-r8": "FG-DiLoCo LowRank r8, tau=4, Mix1 without momentum",
          "fg-stream-f2": "FG-DiLoCo LowRank r4, F=2",
          "fg-stream-f2-t2": "FG-DiLoCo LowRank r4, F=2, tau=2",
          "fg-stream-f2-a0.5": "FG-DiLoCo LowRank r4, F=2, alpha=0.5",
          "fg-stream-f2-t2-a0.5": "FG-DiLoCo LowRank r4, F=2, tau=2, alpha=0.5",
          "torchft-diloco": "torchft DiLoCo", "torchft-diloco-t2": "torchft DiLoCo (tau=2)",
+         "torchft-diloco-t4": "torchft DiLoCo (tau=4)",
          "torchft-streaming": "torchft Streaming DiLoCo (F=2, tau=2, alpha=0.5)",
          "torchft-streaming-f2": "torchft Streaming DiLoCo (F=2)",
          "torchft-streaming-f2-t2": "torchft Streaming DiLoCo (F=2, tau=2)",
