@@ -75,6 +75,9 @@ VARIANTS: dict[str, dict] = {
                                                                 mix2_rounds=2),
     "FG lowrank, tau=2": dict(codec=lambda: LowRank(rank=4), overlap_steps=2),
     "FG lowrank, tau=2, local momentum": dict(codec=lambda: LowRank(rank=4), overlap_steps=2, mix_momentum=False),
+    "FG lowrank, tau=4, local momentum": dict(codec=lambda: LowRank(rank=4), overlap_steps=4, mix_momentum=False),
+    "FG lowrank r8, tau=4, local momentum": dict(codec=lambda: LowRank(rank=8), overlap_steps=4,
+                                                 mix_momentum=False),
     "FG lowrank, F=2": dict(codec=lambda: LowRank(rank=4), fragments=2),
     "FG lowrank, F=2, alpha=0.5": dict(codec=lambda: LowRank(rank=4), fragments=2, merge_alpha=0.5),
     "FG lowrank, F=2, tau=2": dict(codec=lambda: LowRank(rank=4), fragments=2, overlap_steps=2),
@@ -322,7 +325,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--sync-every", type=int, default=H, help=f"H, inner steps per outer round (default {H})")
     p.add_argument("--variants", nargs="*", default=None, help=f"a subset of {list(VARIANTS)} (DiLoCo is always run)")
-    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--out", type=Path, default=RESULTS, metavar="FOLDER",
+                   help="folder for consensus*.json and .png (default benchmarks/results); --variants are added to "
+                        "the file of an earlier run of the same job there")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
