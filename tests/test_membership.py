@@ -273,6 +273,10 @@ def test_a_restarted_store_is_reconnected_and_refilled_and_a_store_gone_for_good
     assert not a.membership.unreachable and not b.membership.unreachable
     fresh = dist.TCPStore("127.0.0.1", port, is_master=False)
     assert fresh.get("fgdiloco/default/fingerprint") == (b"f" * 8).hex().encode()  # the job's keys are back
+    t0 = time.monotonic()  # and the job has begun: a restart that registers now is no first worker
+    while fresh.add("fgdiloco/default/begun", 0) == 0 and time.monotonic() - t0 < 10:
+        time.sleep(0.05)
+    assert fresh.add("fgdiloco/default/begun", 0) > 0
     t0 = time.monotonic()  # each worker re-publishes its own round on its own heartbeat thread
     while b.membership.peer_round(0) != 5 and time.monotonic() - t0 < 10:
         time.sleep(0.05)

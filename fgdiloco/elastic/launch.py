@@ -150,8 +150,8 @@ def connect(address: str | None = None, worker: int | None = None, workers: int 
                         missing[:10], len(joined), want, wait)
             break
         time.sleep(0.1)
-    if live == 0:  # the job still at round 0: this worker is waited for there and joined from now on, as the
-        membership.mark_joined()  # first workers are from their registration (see ElasticMembership)
+    if live == 0 and not membership.first:  # a late joiner while the job is still at round 0: waited for there,
+        membership.mark_joined()  # joined from now on (first workers are from their registration)
     membership.begin()  # from now on a worker that registers is a restart or a late joiner
     log.info("fgdiloco: worker %d of %d joined job %r on %s:%d (incarnation %d)", transport.rank,
              transport.world_size, s["job"], host, port, membership.incarnation)

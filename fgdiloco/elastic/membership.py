@@ -153,9 +153,14 @@ class ElasticMembership(StoreMembership):
         self._published = store.add(self._key("round", self.rank), 0)
         # before the first heartbeat: no one passes the start barrier without this slot once it beats, so a worker
         # that finds the job not begun here is waited for at the barrier, and joined before anyone can see it
-        if self._may_be_first and store.add(f"{self.namespace}/begun", 0) == 0:
+        if self._may_be_first and store.add(self._begun_key, 0) == 0:
             self.first = True
             self._post_joined(store)
+
+    @property
+    def _begun_key(self) -> str:
+        """A counter, nonzero once a worker has passed the job's start barrier."""
+        return f"{self.namespace}/begun"
 
     def begin(self) -> None:
         """This worker passed the job's start barrier (:func:`~fgdiloco.elastic.connect`): processes that register
@@ -163,7 +168,7 @@ class ElasticMembership(StoreMembership):
         store."""
         self._began = True
         with self.stores.lease() as store:
-            store.add(f"{self.namespace}/begun", 1)
+            store.add(self._begun_key, 1)
 
     def _claim(self, store: dist.Store) -> None:
         """Take this slot, unless another live process holds it (:class:`SlotTaken`)."""
@@ -358,8 +363,8 @@ class ElasticMembership(StoreMembership):
         for kind, value in ([("joined", self.incarnation)] if self._joined else []) + own:
             key = self._key(kind, self.rank)
             self._published = store.add(key, value - store.add(key, 0))
-        if self._began and store.add(f"{self.namespace}/begun", 0) == 0:
-            store.add(f"{self.namespace}/begun", 1)
+        if self._began:
+            store.add(self._begun_key, 1)
         with self._lock:
             self._seen.clear()  # heartbeats restart from 0 on a new store
 
