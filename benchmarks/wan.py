@@ -406,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="add torchft's DiLoCo and Streaming DiLoCo (pip install -e '.[bench]') and the dead-worker "
                          "runs; default bandwidths 10,100; writes wan_peers.json")
     ap.add_argument("--no-faults", action="store_true", help="with --peers: skip the dead-worker runs")
+    ap.add_argument("--fault-methods", default=None,
+                    help=f"with --peers: the methods of the dead-worker runs, comma separated (default "
+                         f"{','.join(FAULT_METHODS)})")
     ap.add_argument("--grid", action="store_true",
                     help="with --peers: the tuning grid only (torchft DiLoCo and both sides' F/tau/alpha grids)")
     ap.add_argument("--outer-grid", action="store_true",
@@ -469,7 +472,14 @@ def main(argv: list[str] | None = None) -> int:
     for m in methods:
         if not known_method(m):
             raise SystemExit(f"unknown method {m!r}; use {', '.join(METHODS)}")
-    faults = [m for m in FAULT_METHODS if args.peers and not args.no_faults and not args.outer_grid and not seeds]
+    if seeds and "torchft-diloco" not in methods:
+        raise SystemExit("--seeds measures every method against torchft DiLoCo's final loss: add torchft-diloco to "
+                         "--methods")
+    fault_methods = args.fault_methods.split(",") if args.fault_methods else list(FAULT_METHODS)
+    for m in fault_methods:
+        if not known_method(m):
+            raise SystemExit(f"unknown --fault-methods entry {m!r}; use {', '.join(METHODS)}")
+    faults = [m for m in fault_methods if args.peers and not args.no_faults and not args.outer_grid and not seeds]
     if any("peer" in METHODS[m] for m in methods + faults):
         lighthouse_binary()  # fails early without torchft
     # --peers --quick: torchft's rounds take up to 3 s each on the loaded 2 cores; 15 s would cut its short run

@@ -71,6 +71,19 @@ METHODS: dict[str, dict[str, Any]] = {
                             "overlap_steps": 4, "mix_momentum": False},
     "fg-lowrank-t4-nm-r8": {"topology": "random", "codec": "lowrank", "codec_rank": 8, "mix2_rounds": 1,
                             "overlap_steps": 4, "mix_momentum": False},
+    # the exponential graph (Ying et al. 2021): with M = 4 two consecutive gossip rounds are the exact average
+    "fg-lowrank-t4-nm-r8-exp": {"topology": "exponential", "codec": "lowrank", "codec_rank": 8, "mix2_rounds": 1,
+                                "overlap_steps": 4, "mix_momentum": False},
+    "fg-lowrank-t4-nm-r8-m2-exp": {"topology": "exponential", "codec": "lowrank", "codec_rank": 8,
+                                   "mix2_rounds": 2, "overlap_steps": 4, "mix_momentum": False},
+    "fg-lowrank-t4-nm-r16-m2-exp": {"topology": "exponential", "codec": "lowrank", "codec_rank": 16,
+                                    "mix2_rounds": 2, "overlap_steps": 4, "mix_momentum": False},
+    "fg-lowrank-t4-nm-r8-m2": {"topology": "random", "codec": "lowrank", "codec_rank": 8, "mix2_rounds": 2,
+                               "overlap_steps": 4, "mix_momentum": False},
+    "fg-lowrank-t4-r8-m2-exp": {"topology": "exponential", "codec": "lowrank", "codec_rank": 8, "mix2_rounds": 2,
+                                "overlap_steps": 4},
+    "fg-lowrank-t4-nm-r16": {"topology": "random", "codec": "lowrank", "codec_rank": 16, "mix2_rounds": 1,
+                             "overlap_steps": 4, "mix_momentum": False},
     # FG-DiLoCo with Streaming DiLoCo's fragments (F = 2), its overlap (tau = 2 inner steps) and its merge
     # (alpha = 0.5): the tuning grid of benchmarks.wan --peers (F = 4 does not divide H = 10)
     "fg-stream-f2": {"topology": "random", "codec": "lowrank", "codec_rank": 4, "mix2_rounds": 1, "fragments": 2},
@@ -98,7 +111,8 @@ METHODS: dict[str, dict[str, Any]] = {
 }
 #: the tuning grid, per side: the methods each side's best setting is chosen from (:func:`peer_targets`)
 FG_GRID = ("fg-lowrank-r2=1", "fg-lowrank-t2", "fg-lowrank-nm", "fg-lowrank-t2-nm", "fg-lowrank-t4-nm",
-           "fg-lowrank-t4-nm-r8", "fg-stream-f2", "fg-stream-f2-t2", "fg-stream-f2-a0.5", "fg-stream-f2-t2-a0.5")
+           "fg-lowrank-t4-nm-r8", "fg-lowrank-t4-nm-r8-m2-exp", "fg-stream-f2", "fg-stream-f2-t2", "fg-stream-f2-a0.5",
+           "fg-stream-f2-t2-a0.5")
 STREAMING_GRID = ("torchft-streaming", "torchft-diloco-t2", "torchft-diloco-t4", "torchft-streaming-f2",
                   "torchft-streaming-f2-t2", "torchft-streaming-f2-a0.5")
 #: the methods --peers adds to the default set
@@ -120,6 +134,13 @@ LABEL = {"ddp": "DDP (per step)", "diloco": "DiLoCo", "localsgd": "post-local SG
          "fg-lowrank-t4-nm": "FG-DiLoCo LowRank r4, tau=4, Mix1 without momentum",
          "fg-lowrank-t4-nm-m2": "FG-DiLoCo LowRank r4, tau=4, Mix1 without momentum, 2 Mix2 rounds",
          "fg-lowrank-t4-nm-r8": "FG-DiLoCo LowRank r8, tau=4, Mix1 without momentum",
+         "fg-lowrank-t4-nm-r8-exp": "FG-DiLoCo LowRank r8, tau=4, Mix1 without momentum, exponential",
+         "fg-lowrank-t4-nm-r8-m2-exp": "FG-DiLoCo LowRank r8, tau=4, Mix1 without momentum, exponential, 2 Mix2 rounds",
+         "fg-lowrank-t4-nm-r16-m2-exp": ("FG-DiLoCo LowRank r16, tau=4, Mix1 without momentum, exponential, "
+                                         "2 Mix2 rounds"),
+         "fg-lowrank-t4-nm-r8-m2": "FG-DiLoCo LowRank r8, tau=4, Mix1 without momentum, 2 Mix2 rounds",
+         "fg-lowrank-t4-r8-m2-exp": "FG-DiLoCo LowRank r8, tau=4, exponential, 2 Mix2 rounds",
+         "fg-lowrank-t4-nm-r16": "FG-DiLoCo LowRank r16, tau=4, Mix1 without momentum",
          "fg-stream-f2": "FG-DiLoCo LowRank r4, F=2",
          "fg-stream-f2-t2": "FG-DiLoCo LowRank r4, F=2, tau=2",
          "fg-stream-f2-a0.5": "FG-DiLoCo LowRank r4, F=2, alpha=0.5",
