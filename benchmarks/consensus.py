@@ -78,6 +78,8 @@ VARIANTS: dict[str, dict] = {
     "FG lowrank, tau=4, local momentum": dict(codec=lambda: LowRank(rank=4), overlap_steps=4, mix_momentum=False),
     "FG lowrank r8, tau=4, local momentum": dict(codec=lambda: LowRank(rank=8), overlap_steps=4,
                                                  mix_momentum=False),
+    "FG lowrank r8, tau=4, local momentum, exponential, mix2_rounds=2": dict(
+        codec=lambda: LowRank(rank=8), overlap_steps=4, mix_momentum=False, topology="exponential", mix2_rounds=2),
     "FG lowrank, F=2": dict(codec=lambda: LowRank(rank=4), fragments=2),
     "FG lowrank, F=2, alpha=0.5": dict(codec=lambda: LowRank(rank=4), fragments=2, merge_alpha=0.5),
     "FG lowrank, F=2, tau=2": dict(codec=lambda: LowRank(rank=4), fragments=2, overlap_steps=2),

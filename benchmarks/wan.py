@@ -609,7 +609,8 @@ def main(argv: list[str] | None = None) -> int:
                           name=f"{out_path.stem}_loss.png")
     if result.get("dead_worker_runs"):
         result["plot_dead_worker"] = plot_dead_worker(result["dead_worker_runs"],
-                                                      out_path.parent if not args.quick else Path(runs_dir))
+                                                      out_path.parent if not args.quick else Path(runs_dir),
+                                                      name=f"{out_path.stem}_dead_worker.png")
     result["seconds"] = round(time.perf_counter() - t_all, 1)
     out_path.write_text(json.dumps(result, indent=1) + "\n")
     print_tables(result)
@@ -640,7 +641,9 @@ def reanalyse(path: Path) -> int:
     result["plot"] = plot(runs, bandwidths, result["table"], path.parent,
                           name=Path(result.get("plot") or "wan_loss.png").name)
     if result.get("dead_worker_runs"):
-        result["plot_dead_worker"] = plot_dead_worker(result["dead_worker_runs"], path.parent)
+        result["plot_dead_worker"] = plot_dead_worker(
+            result["dead_worker_runs"], path.parent,
+            name=Path(result.get("plot_dead_worker") or f"{path.stem}_dead_worker.png").name)
     path.write_text(json.dumps(result, indent=1) + "\n")
     print_tables(result)
     return 0
