@@ -76,6 +76,11 @@ METHODS: dict[str, dict[str, Any]] = {
                                 "overlap_steps": 4, "mix_momentum": False},
     "fg-lowrank-t4-nm-r8-m2-exp": {"topology": "exponential", "codec": "lowrank", "codec_rank": 8,
                                    "mix2_rounds": 2, "overlap_steps": 4, "mix_momentum": False},
+    "fg-lowrank-t4-nm-r8-m2-exp-m1x2": {"topology": "exponential", "codec": "lowrank", "codec_rank": 8,
+                                        "mix2_rounds": 2, "mix1_rounds": 2, "overlap_steps": 4,
+                                        "mix_momentum": False},
+    "fg-lowrank-t4-nm-r8-m3-exp": {"topology": "exponential", "codec": "lowrank", "codec_rank": 8,
+                                   "mix2_rounds": 3, "overlap_steps": 4, "mix_momentum": False},
     "fg-lowrank-t4-nm-r16-m2-exp": {"topology": "exponential", "codec": "lowrank", "codec_rank": 16,
                                     "mix2_rounds": 2, "overlap_steps": 4, "mix_momentum": False},
     "fg-lowrank-t4-nm-r8-m2": {"topology": "random", "codec": "lowrank", "codec_rank": 8, "mix2_rounds": 2,
@@ -136,6 +141,9 @@ LABEL = {"ddp": "DDP (per step)", "diloco": "DiLoCo", "localsgd": "post-local SG
          "fg-lowrank-t4-nm-r8": "FG-DiLoCo LowRank r8, tau=4, Mix1 without momentum",
          "fg-lowrank-t4-nm-r8-exp": "FG-DiLoCo LowRank r8, tau=4, Mix1 without momentum, exponential",
          "fg-lowrank-t4-nm-r8-m2-exp": "FG-DiLoCo LowRank r8, tau=4, Mix1 without momentum, exponential, 2 Mix2 rounds",
+         "fg-lowrank-t4-nm-r8-m2-exp-m1x2": ("FG-DiLoCo LowRank r8, tau=4, Mix1 without momentum, exponential, "
+                                             "2 Mix2 rounds, 2 Mix1 rounds"),
+         "fg-lowrank-t4-nm-r8-m3-exp": "FG-DiLoCo LowRank r8, tau=4, Mix1 without momentum, exponential, 3 Mix2 rounds",
          "fg-lowrank-t4-nm-r16-m2-exp": ("FG-DiLoCo LowRank r16, tau=4, Mix1 without momentum, exponential, "
                                          "2 Mix2 rounds"),
          "fg-lowrank-t4-nm-r8-m2": "FG-DiLoCo LowRank r8, tau=4, Mix1 without momentum, 2 Mix2 rounds",
