@@ -71,7 +71,9 @@ METHODS: dict[str, dict[str, Any]] = {
                             "overlap_steps": 4, "mix_momentum": False},
     "fg-lowrank-t4-nm-r8": {"topology": "random", "codec": "lowrank", "codec_rank": 8, "mix2_rounds": 1,
                             "overlap_steps": 4, "mix_momentum": False},
-    # the exponential graph (Ying et al. 2021): with M = 4 two consecutive gossip rounds are the exact average
+    # the exponential graph (Ying et al. 2021): with M = 4 two consecutive gossip rounds reach every worker (the
+    # exact average of uncompressed values; LowRank mixes each pair's agreed projection); a per-token screen at
+    # tau = 4 (benchmarks/RESULTS.md, "Two Mix2 rounds on the exponential graph")
     "fg-lowrank-t4-nm-r8-exp": {"topology": "exponential", "codec": "lowrank", "codec_rank": 8, "mix2_rounds": 1,
                                 "overlap_steps": 4, "mix_momentum": False},
     "fg-lowrank-t4-nm-r8-m2-exp": {"topology": "exponential", "codec": "lowrank", "codec_rank": 8,
