@@ -103,3 +103,27 @@ def test_a_pair_agreed_basis_recovers_a_disagreement_of_rank_r_exactly():
     mixed, _ = pair_round_in_process([LowRank(rank=4, quantize="fp32") for _ in range(2)], xs, [1, 0])
     assert disagreement(mixed) < 1e-5 * disagreement(xs)
     torch.testing.assert_close(mixed[0][0], base, atol=1e-4, rtol=0)
+
+
+def test_two_lowrank_rounds_on_the_exponential_graph_average_four_workers_exactly_where_one_round_cannot():
+    """Mix2 with ``topology="exponential", mix2_rounds=2`` on 4 workers (benchmarks/RESULTS.md, "Two Mix2 rounds on
+    the exponential graph"): the two pair rounds of one outer round (schedule indices 1 and 2: Mix2's offset 1)
+    pair each worker along both dimensions, so where every pair's difference lies in a common rank-2 space the
+    pair-agreed rank-4 bases average each pair exactly and the two rounds give every worker the mean of all four;
+    after the first round the two halves still disagree."""
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(24, 1, generator=g) @ torch.randn(1, 32, generator=g) * 10
+    direction = torch.randn(24, 2, generator=g) @ torch.randn(2, 32, generator=g)
+    scales = [3.0, -1.0, 0.5, -2.5]
+    xs = [[base + a * direction, torch.full((5,), a)] for a in scales]
+    mean = [torch.stack([x[t] for x in xs]).mean(0) for t in range(2)]
+    topo = make_topology("exponential", 4)
+    codecs = [LowRank(rank=4, quantize="fp32") for _ in range(4)]
+    schedule = [1, 2]  # Mixer.schedule_index(0, k) = 0 * rounds + k + offset, for k = 0, 1
+    first, _ = pair_round_in_process(codecs, xs, [topo.peer(i, schedule[0]) for i in range(4)])
+    assert disagreement(first) > 0.1 * disagreement(xs)
+    second, _ = pair_round_in_process(codecs, first, [topo.peer(i, schedule[1]) for i in range(4)])
+    assert disagreement(second) < 1e-5 * disagreement(xs)
+    for x in second:
+        torch.testing.assert_close(x[0], mean[0], atol=1e-4, rtol=0)
+        torch.testing.assert_close(x[1], mean[1], atol=1e-5, rtol=0)
