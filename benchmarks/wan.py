@@ -119,13 +119,16 @@ def summarise_run(name: str, bw: float, run_dir: Path, meta: dict[str, Any], job
     out: dict[str, Any] = {"method": name, "label": LABEL[name], "family": FAMILY.get(name, "fgdiloco"),
                            "bandwidth_mbit": bw, **meta}
     cfg = METHODS[name]
+    # CPU seconds / training second, mean over the ranks (the rank files of every run through benchmarks/peers.py)
+    out["cpu_per_train_second"] = s.get("cpu_per_train_second")
     if "peer" in cfg:
         out.update({"codec": "fp32 all-reduce", "peer": s.get("peer"), "torchft": s.get("torchft"),
-                    "commits": s.get("commits"), "cpu_per_train_second": s.get("cpu_per_train_second"),
-                    "sync_every": job["sync_every"]})
+                    "commits": s.get("commits"), "sync_every": job["sync_every"]})
     else:
-        out.update({"codec": cfg.get("codec", "dense") + ("_r4_int8" if cfg.get("codec") == "lowrank" else ""),
-                    "mix1_rounds": 1, "mix2_rounds": cfg.get("mix2_rounds", 1), "sync_every": job["sync_every"]})
+        codec = cfg.get("codec", "dense")
+        out.update({"codec": codec + (f"_r{cfg.get('codec_rank', 4)}_int8" if codec == "lowrank" else ""),
+                    "topology": cfg.get("topology"), "mix1_rounds": cfg.get("mix1_rounds", 1),
+                    "mix2_rounds": cfg.get("mix2_rounds", 1), "sync_every": job["sync_every"]})
     if not rows or len(rows) < 2:
         out["error"] = out.get("error") or "no metrics"
         return out
