@@ -472,16 +472,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         methods = (["diloco", "fg-lowrank-r2=1", "localsgd", "ddp"] if args.quick
                    else [m for m in METHODS if m not in PEERS])
-    for m in methods:
+    fault_methods = args.fault_methods.split(",") if args.fault_methods else list(FAULT_METHODS)
+    for m in methods + fault_methods:
         if not known_method(m):
             raise SystemExit(f"unknown method {m!r}; use {', '.join(METHODS)}")
     if seeds and "torchft-diloco" not in methods:
         raise SystemExit("--seeds measures every method against torchft DiLoCo's final loss: add torchft-diloco to "
                          "--methods")
-    fault_methods = args.fault_methods.split(",") if args.fault_methods else list(FAULT_METHODS)
-    for m in fault_methods:
-        if not known_method(m):
-            raise SystemExit(f"unknown --fault-methods entry {m!r}; use {', '.join(METHODS)}")
     faults = [m for m in fault_methods if args.peers and not args.no_faults and not args.outer_grid and not seeds]
     if any("peer" in METHODS[m] for m in methods + faults):
         lighthouse_binary()  # fails early without torchft

@@ -45,6 +45,11 @@ JOB: dict[str, Any] = {
 }
 
 
+#: FG-DiLoCo with LowRank r4 int8 and one Mix2 round on the random topology: what the FG-DiLoCo methods vary
+_LOWRANK: dict[str, Any] = {"topology": "random", "codec": "lowrank", "codec_rank": 4, "mix2_rounds": 1}
+#: ... with tau = 4 and Mix1 without the outer momentum: what the tau = 4 methods vary
+_T4_NM: dict[str, Any] = {**_LOWRANK, "overlap_steps": 4, "mix_momentum": False}
+
 #: method name -> TrainConfig overrides
 METHODS: dict[str, dict[str, Any]] = {
     "ddp": {"baseline": "ddp"},
@@ -52,54 +57,38 @@ METHODS: dict[str, dict[str, Any]] = {
     "localsgd": {"baseline": "localsgd"},
     "fg-dense-r2=0": {"topology": "random", "codec": "dense", "mix2_rounds": 0},
     "fg-dense-r2=1": {"topology": "random", "codec": "dense", "mix2_rounds": 1},
-    "fg-lowrank-r2=0": {"topology": "random", "codec": "lowrank", "codec_rank": 4, "mix2_rounds": 0},
-    "fg-lowrank-r2=1": {"topology": "random", "codec": "lowrank", "codec_rank": 4, "mix2_rounds": 1},
+    "fg-lowrank-r2=0": {**_LOWRANK, "mix2_rounds": 0},
+    "fg-lowrank-r2=1": dict(_LOWRANK),
     # the overlap without fragments: Mix2 starts tau = 2 inner steps before the outer step (F = 1)
-    "fg-lowrank-t2": {"topology": "random", "codec": "lowrank", "codec_rank": 4, "mix2_rounds": 1,
-                      "overlap_steps": 2},
+    "fg-lowrank-t2": {**_LOWRANK, "overlap_steps": 2},
     # Mix1 without the outer momentum (mix_momentum=False): half of Mix1's bytes and CPU; each worker's momentum
     # follows its own mixed pseudo-gradients
-    "fg-lowrank-nm": {"topology": "random", "codec": "lowrank", "codec_rank": 4, "mix2_rounds": 1,
-                      "mix_momentum": False},
-    "fg-lowrank-t2-nm": {"topology": "random", "codec": "lowrank", "codec_rank": 4, "mix2_rounds": 1,
-                         "overlap_steps": 2, "mix_momentum": False},
+    "fg-lowrank-nm": {**_LOWRANK, "mix_momentum": False},
+    "fg-lowrank-t2-nm": {**_LOWRANK, "overlap_steps": 2, "mix_momentum": False},
     # a longer overlap (tau = 4 of H = 10): Mix2 hides a partner up to 4 steps behind, and carries 4 steps of delay
-    "fg-lowrank-t4-nm": {"topology": "random", "codec": "lowrank", "codec_rank": 4, "mix2_rounds": 1,
-                         "overlap_steps": 4, "mix_momentum": False},
+    "fg-lowrank-t4-nm": dict(_T4_NM),
     # spending some of the bytes saved on mixing: two Mix2 gossip rounds, or rank 8
-    "fg-lowrank-t4-nm-m2": {"topology": "random", "codec": "lowrank", "codec_rank": 4, "mix2_rounds": 2,
-                            "overlap_steps": 4, "mix_momentum": False},
-    "fg-lowrank-t4-nm-r8": {"topology": "random", "codec": "lowrank", "codec_rank": 8, "mix2_rounds": 1,
-                            "overlap_steps": 4, "mix_momentum": False},
+    "fg-lowrank-t4-nm-m2": {**_T4_NM, "mix2_rounds": 2},
+    "fg-lowrank-t4-nm-r8": {**_T4_NM, "codec_rank": 8},
     # the exponential graph (Ying et al. 2021): with M = 4 two consecutive gossip rounds reach every worker (the
     # exact average of uncompressed values; LowRank mixes each pair's agreed projection); a per-token screen at
     # tau = 4 (benchmarks/RESULTS.md, "Two Mix2 rounds on the exponential graph")
-    "fg-lowrank-t4-nm-r8-exp": {"topology": "exponential", "codec": "lowrank", "codec_rank": 8, "mix2_rounds": 1,
-                                "overlap_steps": 4, "mix_momentum": False},
-    "fg-lowrank-t4-nm-r8-m2-exp": {"topology": "exponential", "codec": "lowrank", "codec_rank": 8,
-                                   "mix2_rounds": 2, "overlap_steps": 4, "mix_momentum": False},
-    "fg-lowrank-t4-nm-r8-m2-exp-m1x2": {"topology": "exponential", "codec": "lowrank", "codec_rank": 8,
-                                        "mix2_rounds": 2, "mix1_rounds": 2, "overlap_steps": 4,
-                                        "mix_momentum": False},
-    "fg-lowrank-t4-nm-r8-m3-exp": {"topology": "exponential", "codec": "lowrank", "codec_rank": 8,
-                                   "mix2_rounds": 3, "overlap_steps": 4, "mix_momentum": False},
-    "fg-lowrank-t4-nm-r16-m2-exp": {"topology": "exponential", "codec": "lowrank", "codec_rank": 16,
-                                    "mix2_rounds": 2, "overlap_steps": 4, "mix_momentum": False},
-    "fg-lowrank-t4-nm-r8-m2": {"topology": "random", "codec": "lowrank", "codec_rank": 8, "mix2_rounds": 2,
-                               "overlap_steps": 4, "mix_momentum": False},
-    "fg-lowrank-t4-r8-m2-exp": {"topology": "exponential", "codec": "lowrank", "codec_rank": 8, "mix2_rounds": 2,
-                                "overlap_steps": 4},
-    "fg-lowrank-t4-nm-r16": {"topology": "random", "codec": "lowrank", "codec_rank": 16, "mix2_rounds": 1,
-                             "overlap_steps": 4, "mix_momentum": False},
+    "fg-lowrank-t4-nm-r8-exp": {**_T4_NM, "codec_rank": 8, "topology": "exponential"},
+    "fg-lowrank-t4-nm-r8-m2-exp": {**_T4_NM, "codec_rank": 8, "topology": "exponential", "mix2_rounds": 2},
+    "fg-lowrank-t4-nm-r8-m2-exp-m1x2": {**_T4_NM, "codec_rank": 8, "topology": "exponential", "mix2_rounds": 2,
+                                        "mix1_rounds": 2},
+    "fg-lowrank-t4-nm-r8-m3-exp": {**_T4_NM, "codec_rank": 8, "topology": "exponential", "mix2_rounds": 3},
+    "fg-lowrank-t4-nm-r16-m2-exp": {**_T4_NM, "codec_rank": 16, "topology": "exponential", "mix2_rounds": 2},
+    "fg-lowrank-t4-nm-r8-m2": {**_T4_NM, "codec_rank": 8, "mix2_rounds": 2},
+    "fg-lowrank-t4-r8-m2-exp": {**_LOWRANK, "overlap_steps": 4, "codec_rank": 8, "topology": "exponential",
+                                "mix2_rounds": 2},
+    "fg-lowrank-t4-nm-r16": {**_T4_NM, "codec_rank": 16},
     # FG-DiLoCo with Streaming DiLoCo's fragments (F = 2), its overlap (tau = 2 inner steps) and its merge
     # (alpha = 0.5): the tuning grid of benchmarks.wan --peers (F = 4 does not divide H = 10)
-    "fg-stream-f2": {"topology": "random", "codec": "lowrank", "codec_rank": 4, "mix2_rounds": 1, "fragments": 2},
-    "fg-stream-f2-t2": {"topology": "random", "codec": "lowrank", "codec_rank": 4, "mix2_rounds": 1,
-                        "fragments": 2, "overlap_steps": 2},
-    "fg-stream-f2-a0.5": {"topology": "random", "codec": "lowrank", "codec_rank": 4, "mix2_rounds": 1,
-                          "fragments": 2, "merge_alpha": 0.5},
-    "fg-stream-f2-t2-a0.5": {"topology": "random", "codec": "lowrank", "codec_rank": 4, "mix2_rounds": 1,
-                             "fragments": 2, "overlap_steps": 2, "merge_alpha": 0.5},
+    "fg-stream-f2": {**_LOWRANK, "fragments": 2},
+    "fg-stream-f2-t2": {**_LOWRANK, "fragments": 2, "overlap_steps": 2},
+    "fg-stream-f2-a0.5": {**_LOWRANK, "fragments": 2, "merge_alpha": 0.5},
+    "fg-stream-f2-t2-a0.5": {**_LOWRANK, "fragments": 2, "overlap_steps": 2, "merge_alpha": 0.5},
     # the peers (benchmarks/peers.py; torchft from `pip install -e ".[bench]"`): torchft's DiLoCo, and its Streaming
     # DiLoCo with the model in 2 fragments (embeddings + block 0 | block 1 + final norm), one synchronised every
     # H / 2 steps, each all-reduce started 2 inner steps before it is needed and the result mixed half-half with
