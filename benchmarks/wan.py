@@ -407,7 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="2-minute smoke run: 100 Mbit/s, fewer steps")
     ap.add_argument("--peers", action="store_true",
                     help="add torchft's DiLoCo and Streaming DiLoCo (pip install -e '.[bench]') and the dead-worker "
-                         "runs; default bandwidths 10,100; writes wan_peers.json")
+                         "runs (not with --seeds, --outer-grid or --no-faults); default bandwidths 10,100; writes "
+                         "wan_peers.json")
     ap.add_argument("--no-faults", action="store_true", help="with --peers: skip the dead-worker runs")
     ap.add_argument("--fault-methods", default=None,
                     help=f"with --peers: the methods of the dead-worker runs, comma separated (default "
