@@ -84,7 +84,8 @@ def pair_bytes(make: Callable[[], Codec], deltas: list[list[torch.Tensor]], fing
     a, b = make(), make()
     sizes = []
     for k in range(len(deltas) - 1):
-        sessions = [a.pair_session(deltas[k], lower=True), b.pair_session(deltas[k + 1], lower=False)]
+        sessions = [a.pair_session(deltas[k], lower=True, peer=k + 1),
+                    b.pair_session(deltas[k + 1], lower=False, peer=k)]
         msgs = [next(s) for s in sessions]
         sent, phase = 0, 0
         while True:

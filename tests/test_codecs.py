@@ -307,6 +307,49 @@ def test_state_dict_round_trip_reproduces_the_following_encodings():
         LowRank(rank=3).load_state_dict(a.state_dict())
 
 
+def test_the_per_peer_warm_starts_survive_a_state_dict_round_trip_and_a_version_1_state_loads_without_them():
+    from fgdiloco.gossip.mix import pair_round_in_process
+
+    g = torch.Generator().manual_seed(2)
+    xs = [[torch.randn(24, 40, generator=g), torch.randn(5, generator=g)] for _ in range(3)]
+    codecs = [LowRank(rank=2) for _ in range(3)]
+    pair_round_in_process(codecs, xs, [1, 0, None])
+    pair_round_in_process(codecs, xs, [2, None, 0])
+    state = codecs[0].state_dict()
+    assert [peer for peer, _ in state["pair_q"]] == [1, 2]  # least recently met first
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    restored = LowRank(rank=2)
+    restored.load_state_dict(torch.load(buf))
+    again = restored.state_dict()["pair_q"]
+    assert [p for p, _ in again] == [1, 2]
+    assert all(torch.equal(a[1][i], b[1][i]) for a, b in zip(state["pair_q"], again) for i in a[1])
+    # a following round with peer 1 gives the same bits from the restored codec as from the original
+    peer_copy = LowRank(rank=2)
+    peer_copy.load_state_dict(codecs[1].state_dict())
+    original, _ = pair_round_in_process([codecs[0], codecs[1]], xs[:2], [1, 0])
+    resumed, _ = pair_round_in_process([restored, peer_copy], xs[:2], [1, 0])
+    assert all(torch.equal(a, b) for x, y in zip(original, resumed) for a, b in zip(x, y))
+    old = {k: v for k, v in state.items() if k != "pair_q"}
+    legacy = LowRank(rank=2)
+    legacy.load_state_dict({**old, "version": 1})
+    assert legacy.state_dict()["pair_q"] == []
+    with pytest.raises(ValueError, match="warm start of tensor 0 for peer 1"):
+        LowRank(rank=2).load_state_dict({**state, "pair_q": [(1, {0: torch.zeros(2, 7)})]})
+
+
+def test_a_peer_with_the_other_pair_basis_is_rejected_by_the_frame_check():
+    from fgdiloco.factor import FrameError
+    from fgdiloco.gossip.mix import pair_round_in_process
+
+    xs = [[torch.randn(24, 40)], [torch.randn(24, 40)]]
+    with pytest.raises(FrameError, match="pair basis"):
+        pair_round_in_process([LowRank(rank=2), LowRank(rank=2, pair_basis="joint")], xs, [1, 0])
+    with pytest.raises(ValueError, match="pair_basis must be one of 'joint', 'difference'"):
+        LowRank(rank=2, pair_basis="shared")
+
+
 def test_state_dict_is_a_copy():
     codec = LowRank(rank=2)
     codec.encode(_layout(0))
@@ -353,7 +396,8 @@ def test_codecs_are_registered_by_unique_id_and_name():
     assert len({Dense.codec_id, BF16.codec_id, Int8.codec_id, LowRank.codec_id}) == 4
     lr = resolve_codec("lowrank", default="dense", argument="codec")
     assert isinstance(lr, LowRank) and lr.config() == {"rank": 4, "error_feedback": True, "quantize": "int8",
-                                                       "block": 256, "min_compression": 1.0, "seed": 0}
+                                                       "block": 256, "min_compression": 1.0, "seed": 0,
+                                                       "pair_basis": "difference"}
     assert isinstance(resolve_codec("int8", default="dense", argument="codec"), Int8)
     assert repr(LowRank(rank=2, quantize=None)).startswith("LowRank(rank=2, error_feedback=True, quantize='fp32'")
     assert fgdiloco.LowRank is LowRank and fgdiloco.Int8 is Int8

@@ -25,8 +25,10 @@ CODECS = {
     "lowrank-r2-bf16": lambda: LowRank(rank=2, quantize="bf16"),
     "lowrank-r1-fp32": lambda: LowRank(rank=1, quantize="fp32"),
     "lowrank-r4-fp32": lambda: LowRank(rank=4, quantize="fp32"),
+    "lowrank-r4-int8-joint": lambda: LowRank(rank=4, pair_basis="joint"),
+    "lowrank-r2-fp32-joint": lambda: LowRank(rank=2, quantize="fp32", pair_basis="joint"),
 }
-LOSSLESS = {"dense", "lowrank-r1-fp32", "lowrank-r4-fp32"}
+LOSSLESS = {"dense", "lowrank-r1-fp32", "lowrank-r4-fp32", "lowrank-r2-fp32-joint"}
 
 
 def disagreement(xs: list[list[torch.Tensor]]) -> float:
@@ -127,3 +129,68 @@ def test_two_lowrank_rounds_on_the_exponential_graph_average_four_workers_exactl
     for x in second:
         torch.testing.assert_close(x[0], mean[0], atol=1e-4, rtol=0)
         torch.testing.assert_close(x[1], mean[1], atol=1e-5, rtol=0)
+
+
+def _shared_and_difference(seed: int, shared_rank: int, diff_rank: int, rows: int = 40, cols: int = 48
+                           ) -> list[list[torch.Tensor]]:
+    """Two workers: a large shared part of rank ``shared_rank`` (1000x) plus and minus a difference of rank
+    ``diff_rank`` in other directions."""
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randn(rows, shared_rank, generator=g) @ torch.randn(shared_rank, cols, generator=g) * 1000
+    half = torch.randn(rows, diff_rank, generator=g) @ torch.randn(diff_rank, cols, generator=g)
+    return [[shared + half, torch.zeros(3)], [shared - half, torch.zeros(3)]]
+
+
+def test_the_difference_basis_averages_a_pair_whose_difference_has_rank_r_where_the_joint_basis_does_not():
+    """The part a pair round leaves is ``(I − P̂P̂ᵀ)(Δ_j − Δ_i)``: a basis built from the pair's difference removes a
+    rank-2 difference in one rank-4 round however large the shared part, while the joint basis (the pair's top
+    directions, here the shared part's rank 8) leaves most of it."""
+    xs = _shared_and_difference(3, shared_rank=8, diff_rank=2)
+    before = disagreement(xs)
+    diff, _ = pair_round_in_process([LowRank(rank=4, quantize="fp32") for _ in range(2)], xs, [1, 0])
+    joint, _ = pair_round_in_process([LowRank(rank=4, quantize="fp32", pair_basis="joint") for _ in range(2)], xs,
+                                     [1, 0])
+    assert disagreement(diff) < 1e-6 * frob(xs)  # exact, to the fp32 rounding of values 1000x larger
+    assert disagreement(joint) > 0.5 * before
+
+
+def test_a_pairs_warm_start_is_kept_per_peer_and_converges_to_the_top_subspace_of_its_difference():
+    """Subspace iteration across rounds: the same pair meeting again with the same values (difference of rank 12
+    with a spectral gap after 4) starts from the warm start both kept for each other, so the rank-4 round's residual
+    falls to the SVD optimum; both sides hold bit-identical warm starts for each other, none for a peer never met."""
+    g = torch.Generator().manual_seed(5)
+    u = torch.linalg.qr(torch.randn(40, 12, generator=g)).Q
+    v = torch.linalg.qr(torch.randn(48, 12, generator=g)).Q
+    spectrum = torch.tensor([10.0, 9.0, 8.0, 7.0] + [1.0 / (k + 1) for k in range(8)])
+    half = u @ torch.diag(spectrum) @ v.T
+    shared = torch.randn(40, 48, generator=g) * 100
+    xs = [[shared + half, torch.zeros(3)], [shared - half, torch.zeros(3)]]
+    optimum = 2 * float(spectrum[4:].pow(2).sum().sqrt()) / math.sqrt(2)  # ‖(I − J)X‖ of the SVD's rank-4 tail
+    codecs = [LowRank(rank=4, quantize="fp32") for _ in range(2)]
+    residuals = []
+    for _ in range(6):
+        mixed, _ = pair_round_in_process(codecs, xs, [1, 0])
+        residuals.append(disagreement(mixed))
+    assert residuals[0] > 1.5 * optimum
+    assert residuals[-1] < 1.01 * optimum
+    mine, theirs = codecs[0].state_dict()["pair_q"], codecs[1].state_dict()["pair_q"]
+    assert [peer for peer, _ in mine] == [1] and [peer for peer, _ in theirs] == [0]
+    assert mine[0][1].keys() == theirs[0][1].keys() == {0}
+    assert torch.equal(mine[0][1][0], theirs[0][1][0])
+
+
+def test_a_pair_whose_warm_starts_differ_still_keeps_its_average_and_agrees_again_after_the_exchange():
+    """One side lost its warm start for the other (a restart, or the two-generals window): both still build the same
+    basis from the transmitted messages, so the round keeps the average and does not increase the disagreement; after
+    it both hold the same warm start again."""
+    xs = _shared_and_difference(7, shared_rank=3, diff_rank=10)
+    codecs = [LowRank(rank=4, quantize="fp32") for _ in range(2)]
+    xs, _ = pair_round_in_process(codecs, xs, [1, 0])
+    codecs[1].load_state_dict({**codecs[1].state_dict(), "pair_q": []})  # worker 1 forgot worker 0
+    before = disagreement(xs)
+    mixed, _ = pair_round_in_process(codecs, xs, [1, 0])
+    assert disagreement(mixed) <= before * (1 + 1e-5)
+    for t in range(2):
+        torch.testing.assert_close((mixed[0][t] + mixed[1][t]).double(), (xs[0][t] + xs[1][t]).double(),
+                                   atol=1e-2, rtol=1e-6)  # fp32 rounding of values ~3000 in size
+    assert torch.equal(codecs[0].state_dict()["pair_q"][0][1][0], codecs[1].state_dict()["pair_q"][0][1][0])

@@ -435,8 +435,8 @@ def _after_first_message(opt: FGDiLoCo, from_round: int, fault) -> None:
     first message has gone both ways (the peer has had our first payload: it is talking with us)."""
     real = opt.codec.pair_session
 
-    def session_with_fault(values, *, lower):
-        session = real(values, lower=lower)
+    def session_with_fault(values, *, lower, peer=None):
+        session = real(values, lower=lower, peer=peer)
         reply = yield next(session)
         if opt.round >= from_round:
             fault()

@@ -154,10 +154,11 @@ class Codec(abc.ABC):
         body, decoded = self.encode(tensors, stateful=False)
         return body, decoded, lambda: None
 
-    def pair_session(self, values: Sequence[torch.Tensor], *, lower: bool) -> PairSession:
+    def pair_session(self, values: Sequence[torch.Tensor], *, lower: bool, peer: int | None = None) -> PairSession:
         """The pairwise gossip round of a stateless value codec: send ``q(x_i)``, receive ``q(x_j)``, correct by
         ``½(q(x_j) − q(x_i))`` (difference form; the pair's sum is preserved and the pair's disagreement becomes
-        ``q``'s own error, see the module docstring). ``values`` are fp32 and not modified.
+        ``q``'s own error, see the module docstring). ``values`` are fp32 and not modified; ``lower``: this worker
+        has the lower rank of the pair; ``peer``: the peer's rank (a codec with per-peer state keys it by this).
 
         Raises:
             ValueError: the codec is stateful and does not provide its own consensus-safe session.

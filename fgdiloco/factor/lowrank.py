@@ -4,9 +4,10 @@ Two protocols share one codec (:class:`LowRank`), chosen by the mix that runs it
 
 * **Pairwise gossip rounds** (random, exponential, ring topologies): a *pair-agreed projection*. Both peers project
   onto one basis they build together, so the round is consensus-safe (docs/gossip.md): ``q(Δ_j) − q(Δ_i) =
-  P̂P̂ᵀ(Δ_j − Δ_i)`` and the pair's disagreement can only shrink (up to the number format's floor). No error
-  feedback: the difference form already keeps the workers' average exact, and a residual would be paid later to a
-  different peer.
+  P̂P̂ᵀ(Δ_j − Δ_i)`` and the pair's disagreement can only shrink (up to the number format's floor). The basis is a
+  power-iteration step on the pair's *difference* ``Δ_j − Δ_i``, warm-started per peer (the part a pair round
+  leaves is ``(I − P̂P̂ᵀ)(Δ_j − Δ_i)``, so that is the subspace to find). No error feedback: the difference form
+  already keeps the workers' average exact, and a residual would be paid later to a different peer.
 * **The exact (all-reduce) path**: PowerSGD with warm start and error feedback (Vogels, Karimireddy & Jaggi,
   NeurIPS 2019), where every worker applies the same mean.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,9 +30,12 @@ from .quantize import DEFAULT_BLOCK, _check_block, dequantize_int8, int8_nscales
 __all__ = ["LowRank"]
 
 _QUANT_CODES = {"int8": 1, "bf16": 2, "fp32": 3}
-_HEADER = struct.Struct("<BBHIf")  # body format version, number format, rank, int8 block, min_compression
+_BASIS_CODES = {"joint": 0, "difference": 1}  # the pair basis, in the number-format byte's high nibble
+# body format version, number format (| pair basis << 4), rank, int8 block, min_compression
+_HEADER = struct.Struct("<BBHIf")
 _VERSION = 1
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 2: the per-peer warm starts of the difference basis; version 1 states load (without them)
+PAIR_PEERS = 16  # per-peer warm starts kept (least recently used dropped): the exponential graph needs log2(M)
 
 
 @dataclass(frozen=True)
@@ -83,21 +88,30 @@ class LowRank(Codec):
     ``min_compression · r·(m + n) < m·n``; other tensors (1-D biases and norms, 0-D scalars, small or narrow
     matrices) go *dense*, in the same number format, with the same error feedback.
 
-    **Pairwise rounds** use :meth:`pair_session` instead (no residual; the warm start is the only state)::
+    **Pairwise rounds** use :meth:`pair_session` instead (no residual; the warm starts are the only state)::
 
         worker i                                    worker j (the same, with i and j swapped)
-        P_i = Δ_i Q_i            ── send P_i ──▶     (m × r per matrix, Q_i: this worker's warm start)
-        P̂  = top-r left singular vectors of [P_lo, P_hi]    (identical on both: same inputs, same order)
+        P_i = Δ_i Q              ── send P_i ──▶     (m × r per matrix, Q: the pair's warm start, r × n)
+        P̂  = orthonormalise(P_hi − P_lo)            (identical on both: same inputs, same order; = (Δ_hi − Δ_lo) Q)
         B_i = P̂ᵀ Δ_i             ── send B_i ──▶     (r × n per matrix; 1-D tensors travel dense here)
         Δ_i ← Δ_i + ½ P̂ (B_j − B_i)                 = Δ_i + ½ P̂P̂ᵀ(Δ_j − Δ_i)
-        Q_i ← rows of (B_i + B_j), normalised       (committed only when the exchange succeeded)
+        Q   ← rows of (B_hi − B_lo), normalised     (kept for this peer; committed only when the exchange succeeded)
+
+    ``Q`` is a warm start per peer (the :data:`PAIR_PEERS` most recent peers), the same on both sides after every
+    successful exchange between them, and the seeded draw for a peer never met: one warm-started step of subspace
+    iteration on the pair's difference per round, as PowerSGD's on a gradient. A pair whose warm starts differ (one
+    side restarted, or missed the other's accept) still builds the same ``P̂`` on both sides (it is computed from
+    the transmitted ``P`` messages), only a worse one, and agrees again after that exchange. ``pair_basis="joint"`` (the
+    basis of earlier releases: the top-``r`` left singular vectors of ``[Δ_lo Q_lo, Δ_hi Q_hi]`` with one warm start per
+    worker, ``Q_i`` ← rows of ``B_i + B_j``) finds the pair's *shared* directions instead; measured on the
+    example GPT's pseudo-gradients it leaves 1.7-1.9x the difference (benchmarks/RESULTS.md, "The pair basis").
 
     The same numbers travel as in the exact path (``r·(m + n)`` per matrix), in two messages instead of one. The
     pair's new difference is ``(I − P̂P̂ᵀ)(Δ_i − Δ_j)`` plus the number format's error on ``B`` (the floor: 0 for
     ``"fp32"``, half an int8 step of each row block of ``B`` for ``"int8"``), so a round never increases the
-    disagreement beyond that floor, whatever the inputs, even when the workers' shared part dominates (a
-    per-worker subspace would not cancel it). Measured on the example GPT's real pseudo-gradients (4 workers,
-    ``benchmarks/consensus.py``): see benchmarks/RESULTS.md (consensus).
+    disagreement beyond that floor, whatever the inputs and whichever basis (a per-worker subspace would not cancel
+    it). Measured on the example GPT's real pseudo-gradients (4 workers, ``benchmarks/consensus.py``): see
+    benchmarks/RESULTS.md (consensus).
 
     Error feedback (exact path) makes the compression unbiased over time: the sum of everything sent up to round
     ``t`` equals the sum of the inputs minus the current residual (``Σ M̂ = Σ Δ − e_t``), and the residual stays
@@ -138,6 +152,9 @@ class LowRank(Codec):
         min_compression: factor a matrix only if that sends fewer than ``1/min_compression`` of its numbers
             (float >= 1).
         seed: seed of the initial ``Q`` of each tensor (tensor ``i`` gets its own stream; same on every worker).
+        pair_basis: the basis of a pairwise round: ``"difference"`` (a subspace-iteration step on the pair's
+            difference, warm-started per peer) or ``"joint"`` (the pair's shared top-``r`` directions). Both peers
+            must use the same (the frame header carries it).
 
     Raises:
         TypeError, ValueError: an argument of the wrong type or out of range.
@@ -148,7 +165,8 @@ class LowRank(Codec):
     stateful = True
 
     def __init__(self, rank: int = 4, *, error_feedback: bool = True, quantize: str | None = "int8",
-                 block: int = DEFAULT_BLOCK, min_compression: float = 1.0, seed: int = 0):
+                 block: int = DEFAULT_BLOCK, min_compression: float = 1.0, seed: int = 0,
+                 pair_basis: str = "difference"):
         if isinstance(rank, bool) or not isinstance(rank, int):
             raise TypeError(f"rank must be an int >= 1 (rank of each factorisation), got {type(rank).__name__}")
         if not 1 <= rank <= 65535:
@@ -163,6 +181,9 @@ class LowRank(Codec):
             raise ValueError(f"min_compression must be a finite number >= 1, got {min_compression!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        if pair_basis not in _BASIS_CODES:
+            raise ValueError(f"pair_basis must be one of {', '.join(map(repr, _BASIS_CODES))}, got {pair_basis!r}")
+        self.pair_basis = pair_basis
         self.rank = rank
         self.error_feedback = bool(error_feedback)
         self.quantize = quantize.lower()
@@ -177,12 +198,15 @@ class LowRank(Codec):
     # ------------------------------------------------------------------ configuration and layout
     def config(self) -> dict[str, Any]:
         return {"rank": self.rank, "error_feedback": self.error_feedback, "quantize": self.quantize,
-                "block": self.block, "min_compression": self.min_compression, "seed": self.seed}
+                "block": self.block, "min_compression": self.min_compression, "seed": self.seed,
+                "pair_basis": self.pair_basis}
 
     def _reset_state(self) -> None:
         self._shapes: tuple[tuple[int, ...], ...] | None = None
         self._q: list[torch.Tensor | None] = []
         self._e: list[torch.Tensor | None] = []
+        # the difference basis's warm starts: peer -> {tensor index: r × n}, least recently used first
+        self._pq: OrderedDict[int, dict[int, torch.Tensor]] = OrderedDict()
 
     def _plan(self, shapes: tuple[tuple[int, ...], ...]) -> _Plan:
         """How a layout travels (cached): tensors grouped by shape, groups in order of first appearance.
@@ -212,7 +236,8 @@ class LowRank(Codec):
         return plan
 
     def _header(self) -> bytes:
-        return _HEADER.pack(_VERSION, _QUANT_CODES[self.quantize], self.rank, self.block, self.min_compression)
+        fmt = _QUANT_CODES[self.quantize] | _BASIS_CODES[self.pair_basis] << 4
+        return _HEADER.pack(_VERSION, fmt, self.rank, self.block, self.min_compression)
 
     def max_body_bytes(self, like: Sequence[torch.Tensor]) -> int:
         """Exact body size in bytes for tensors shaped like ``like`` (every body of this layout has it)."""
@@ -369,12 +394,14 @@ class LowRank(Codec):
 
         return body, decoded, commit
 
-    def pair_session(self, values, *, lower) -> PairSession:
+    def pair_session(self, values, *, lower, peer=None) -> PairSession:
         """The pairwise round: a pair-agreed projection (see the class docstring), two messages each way.
 
         Args:
             values: one fp32 tensor per parameter (the pseudo-gradients); not modified.
-            lower: True on the peer with the lower rank (it puts its factors first when building the basis).
+            lower: True on the peer with the lower rank (its factors are ``lo`` when building the basis).
+            peer: the peer's rank, which keys the difference basis's warm starts (None: the seeded draw, nothing
+                kept).
 
         Raises:
             CodecError: this worker's own input holds NaN or ±Inf (nothing is sent; the mixer aborts the exchange).
@@ -388,12 +415,18 @@ class LowRank(Codec):
         fmt = _Rows(self)
         factored = [g for g in plan.groups if g.factored]
         dense = [g for g in plan.groups if not g.factored]
+        difference = self.pair_basis == "difference"
+        starts = self._pq.get(peer, {}) if difference and peer is not None else {}
         mats, p_rows = [], []
         for g in factored:
             dev = values[g.indices[0]].device
             x = torch.stack([values[i].detach().reshape(g.m, g.n).to(device=dev, dtype=torch.float32)
                              for i in g.indices])
-            q = torch.stack([self._start_q(i, g.n, dev) for i in g.indices])  # (B, r, n)
+            if difference:  # the pair's warm start (the seeded draw, the same on every worker, for a new peer)
+                q = torch.stack([starts[i].to(dev) if i in starts else self._init_q(i, g.n, dev)
+                                 for i in g.indices])
+            else:
+                q = torch.stack([self._start_q(i, g.n, dev) for i in g.indices])  # (B, r, n)
             p = torch.bmm(x, q.transpose(1, 2))  # (B, m, r)
             mats.append(x)
             p_rows.append(p.transpose(1, 2).reshape(-1, g.m))  # (B·r, m): one row per direction
@@ -406,9 +439,12 @@ class LowRank(Codec):
         for g, x, mine, theirs in zip(factored, mats, own_p, peer_p):
             b = len(g.indices)
             lo, hi = (mine, theirs.to(mine.device)) if lower else (theirs.to(mine.device), mine)
-            stacked = torch.cat([lo.view(b, g.rank, g.m), hi.view(b, g.rank, g.m)], dim=1).transpose(1, 2)
-            basis = _top_left_singular(stacked, g.rank)  # (B, m, r), identical on both peers
-            bases.append(basis)
+            if difference:  # (Δ_hi − Δ_lo) Q, orthonormalised
+                basis = torch.linalg.qr((hi - lo).view(b, g.rank, g.m).transpose(1, 2)).Q
+            else:
+                stacked = torch.cat([lo.view(b, g.rank, g.m), hi.view(b, g.rank, g.m)], dim=1).transpose(1, 2)
+                basis = _top_left_singular(stacked, g.rank)
+            bases.append(basis)  # (B, m, r), identical on both peers
             b_rows.append(torch.bmm(basis.transpose(1, 2), x).reshape(-1, g.n))  # (B·r, n)
         for g in dense:
             dev = values[g.indices[0]].device
@@ -419,12 +455,13 @@ class LowRank(Codec):
         body, own_b = fmt.encode(b_rows)
         peer_b = yield Message(body, fmt, own_b)
 
-        return self._pair_outcome(factored + dense, bases, own_b, b_rows, peer_b, shapes)
+        return self._pair_outcome(factored + dense, bases, own_b, b_rows, peer_b, shapes, lower, peer)
 
     def _pair_outcome(self, groups: list, bases: list, own_b: list, b_rows: list, peer_b: list,
-                      shapes: tuple) -> PairOutcome:
+                      shapes: tuple, lower: bool, peer: int | None) -> PairOutcome:
         """The pair session's end: ``c_i = ½ P̂ (B_j − B_i)`` per matrix (``½ (x_j − x_i)`` per dense tensor), the
         disagreement as transmitted, this worker's quantisation floor, and the warm starts both peers agree on."""
+        difference = self.pair_basis == "difference"
         correction: list[torch.Tensor | None] = [None] * len(shapes)
         dist_sq = [0.0] * len(shapes)
         floor_sq = 0.0
@@ -437,7 +474,10 @@ class LowRank(Codec):
             if g.factored:
                 d3 = diff.view(b, g.rank, g.n)
                 c = 0.5 * torch.bmm(bases[k], d3)  # (B, m, n) = ½ P̂ (B_j − B_i)
-                new_q = self._warm((mine + peer_b[k].to(mine.device)).view(b, g.rank, g.n), g)  # same on both
+                theirs = peer_b[k].to(mine.device)
+                # difference: Qᵀ ∝ P̂ᵀ(Δ_hi − Δ_lo), the next subspace-iteration step; the same on both peers
+                step = (theirs - mine if lower else mine - theirs) if difference else mine + theirs
+                new_q = self._warm(step.view(b, g.rank, g.n), g)
                 for j, i in enumerate(g.indices):
                     warm[i] = new_q[j]
             else:
@@ -452,8 +492,14 @@ class LowRank(Codec):
                 self._shapes = shapes
                 self._q = [None] * len(shapes)
                 self._e = [None] * len(shapes)
-            for i, q in warm.items():
-                self._q[i] = q
+            if not difference:
+                for i, q in warm.items():
+                    self._q[i] = q
+            elif peer is not None:
+                self._pq[peer] = warm
+                self._pq.move_to_end(peer)
+                while len(self._pq) > PAIR_PEERS:
+                    self._pq.popitem(last=False)
 
         return PairOutcome(correction, dist_sq, math.sqrt(floor_sq), commit)
 
@@ -498,10 +544,11 @@ class LowRank(Codec):
         head = bytes(body[: _HEADER.size])
         if head != self._header():
             version, fmt, rank, block, minc = _HEADER.unpack(head)
-            raise CodecError(f"lowrank body was made with format version {version}, number format {fmt}, rank "
-                             f"{rank}, block {block}, min_compression {minc}; this worker uses version {_VERSION}, "
-                             f"{self.quantize}, rank {self.rank}, block {self.block}, "
-                             f"min_compression {self.min_compression}")
+            raise CodecError(f"lowrank body was made with format version {version}, number format {fmt & 15}, "
+                             f"pair basis {fmt >> 4}, rank {rank}, block {block}, min_compression {minc}; this "
+                             f"worker uses version {_VERSION}, {self.quantize} ({_QUANT_CODES[self.quantize]}), "
+                             f"pair basis {self.pair_basis} ({_BASIS_CODES[self.pair_basis]}), rank {self.rank}, "
+                             f"block {self.block}, min_compression {self.min_compression}")
         off = _HEADER.size
         nvals, nscales = plan.nvals, plan.nscales
         if self.quantize == "int8":
@@ -535,18 +582,21 @@ class LowRank(Codec):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Warm starts and residuals: ``{"version", "config", "shapes", "q", "e"}`` where ``q[i]`` is the
-        ``r × n`` fp32 warm start of tensor ``i`` (None for dense tensors or before the first round) and ``e[i]``
-        its fp32 residual (None without error feedback or before the first round). Tensors are copies."""
+        """Warm starts and residuals: ``{"version", "config", "shapes", "q", "e", "pair_q"}`` where ``q[i]`` is
+        the ``r × n`` fp32 warm start of tensor ``i`` (None for dense tensors or before the first round), ``e[i]``
+        its fp32 residual (None without error feedback or before the first round) and ``pair_q`` the difference
+        basis's warm starts, ``[(peer, {i: r × n})]`` from least to most recently used. Tensors are copies."""
         def copy(ts: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
             return [None if t is None else t.detach().clone() for t in ts]
 
         return {"version": _STATE_VERSION, "config": self.config(),
                 "shapes": None if self._shapes is None else [list(s) for s in self._shapes],
-                "q": copy(self._q), "e": copy(self._e)}
+                "q": copy(self._q), "e": copy(self._e),
+                "pair_q": [(peer, {i: t.detach().clone() for i, t in qs.items()}) for peer, qs in self._pq.items()]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (an empty dict resets the state).
+        """Restore :meth:`state_dict` (an empty dict resets the state). A version 1 state (before the per-peer
+        warm starts) loads with none: each pair starts its difference basis from the seeded draw.
 
         Raises:
             ValueError: a state of another format version or rank, or with inconsistent shapes.
@@ -554,8 +604,8 @@ class LowRank(Codec):
         if not state:
             self._reset_state()
             return
-        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
-            raise ValueError(f"not a LowRank state dict of version {_STATE_VERSION}")
+        if not isinstance(state, dict) or state.get("version") not in (1, _STATE_VERSION):
+            raise ValueError(f"not a LowRank state dict of version 1 or {_STATE_VERSION}")
         rank = state.get("config", {}).get("rank")
         if rank != self.rank:
             raise ValueError(f"LowRank state was saved with rank={rank}, this codec has rank={self.rank}")
@@ -575,9 +625,17 @@ class LowRank(Codec):
                 raise ValueError(f"LowRank state: warm start {i} has shape {tuple(qi.shape)}, expected {want}")
             if ei is not None and tuple(ei.shape) != shapes[i]:
                 raise ValueError(f"LowRank state: residual {i} has shape {tuple(ei.shape)}, expected {shapes[i]}")
+        pair_q: OrderedDict[int, dict[int, torch.Tensor]] = OrderedDict()
+        for peer, qs in state.get("pair_q", []):
+            for i, qi in qs.items():
+                if i not in n_of or tuple(qi.shape) != (self.rank, n_of[i]):
+                    raise ValueError(f"LowRank state: the warm start of tensor {i} for peer {peer} has shape "
+                                     f"{tuple(qi.shape)}, expected {(self.rank, n_of.get(i))}")
+            pair_q[int(peer)] = {int(i): qi.detach().to(torch.float32).clone() for i, qi in qs.items()}
         self._shapes = shapes
         self._q = [None if t is None else t.detach().to(torch.float32).clone() for t in q]
         self._e = [None if t is None else t.detach().to(torch.float32).clone() for t in e]
+        self._pq = pair_q
 
 
 def _top_left_singular(stacked: torch.Tensor, r: int) -> torch.Tensor:
@@ -623,8 +681,8 @@ class _Rows(Codec):
         if len(body) != expected:
             raise CodecError(f"lowrank pair message has {len(body)} bytes, expected {expected}")
         if bytes(body[: _HEADER.size]) != lr._header():
-            raise CodecError("lowrank pair message was made with another format version, number format, rank, "
-                             f"block or min_compression than this worker's ({lr.config()})")
+            raise CodecError("lowrank pair message was made with another format version, number format, pair "
+                             f"basis, rank, block or min_compression than this worker's ({lr.config()})")
         off = _HEADER.size
         nvals = sum(t.numel() for t in like)
         out = []

@@ -488,7 +488,7 @@ class Mixer:
             return got
 
         try:
-            session = self.codec.pair_session(values, lower=rank < peer)
+            session = self.codec.pair_session(values, lower=rank < peer, peer=peer)
             reply: list[torch.Tensor] | None = None
             phase = 0
             while True:
@@ -659,8 +659,8 @@ def pair_round_in_process(codecs: Sequence[Codec], values: Sequence[Sequence[tor
     for i, j in enumerate(partner):
         if j is None or j < i:
             continue
-        sessions = {i: codecs[i].pair_session(values[i], lower=True), j: codecs[j].pair_session(values[j],
-                                                                                               lower=False)}
+        sessions = {i: codecs[i].pair_session(values[i], lower=True, peer=j),
+                    j: codecs[j].pair_session(values[j], lower=False, peer=i)}
         msgs = {w: next(s) for w, s in sessions.items()}
         outcomes: dict[int, PairOutcome] = {}
         phase = 0

@@ -83,6 +83,13 @@ METHODS: dict[str, dict[str, Any]] = {
     "fg-lowrank-t4-r8-m2-exp": {**_LOWRANK, "overlap_steps": 4, "codec_rank": 8, "topology": "exponential",
                                 "mix2_rounds": 2},
     "fg-lowrank-t4-nm-r16": {**_T4_NM, "codec_rank": 16},
+    # diagnostics of the per-token gap to torchft DiLoCo tau = 4: FG-DiLoCo's exact mode at tau = 4 (the all-reduce of
+    # dense pseudo-gradients: torchft-diloco-t4's algorithm in this library), and the exponential two-round setting
+    # with dense pseudo-gradients (the exact average of four workers' Mix2, Mix1 still gossiped)
+    "fg-exact-t4": {"topology": "allreduce", "codec": "dense", "mix2_rounds": 1, "overlap_steps": 4},
+    "fg-dense-t4-nm-m2-exp": {**_T4_NM, "codec": "dense", "topology": "exponential", "mix2_rounds": 2},
+    "fg-dense-t4-nm-m2-exp-m1fp32": {**_T4_NM, "codec": "dense", "topology": "exponential", "mix2_rounds": 2,
+                                     "mix1_codec": "dense"},
     # FG-DiLoCo with Streaming DiLoCo's fragments (F = 2), its overlap (tau = 2 inner steps) and its merge
     # (alpha = 0.5): the tuning grid of benchmarks.wan --peers (F = 4 does not divide H = 10)
     "fg-stream-f2": {**_LOWRANK, "fragments": 2},
@@ -140,6 +147,10 @@ LABEL = {"ddp": "DDP (per step)", "diloco": "DiLoCo", "localsgd": "post-local SG
          "fg-lowrank-t4-nm-r8-m2": "FG-DiLoCo LowRank r8, tau=4, Mix1 without momentum, 2 Mix2 rounds",
          "fg-lowrank-t4-r8-m2-exp": "FG-DiLoCo LowRank r8, tau=4, exponential, 2 Mix2 rounds",
          "fg-lowrank-t4-nm-r16": "FG-DiLoCo LowRank r16, tau=4, Mix1 without momentum",
+         "fg-exact-t4": "FG-DiLoCo exact mode (all-reduce, dense), tau=4",
+         "fg-dense-t4-nm-m2-exp": "FG-DiLoCo dense, tau=4, Mix1 without momentum, exponential, 2 Mix2 rounds",
+         "fg-dense-t4-nm-m2-exp-m1fp32": ("FG-DiLoCo dense, tau=4, Mix1 fp32 without momentum, exponential, "
+                                          "2 Mix2 rounds"),
          "fg-stream-f2": "FG-DiLoCo LowRank r4, F=2",
          "fg-stream-f2-t2": "FG-DiLoCo LowRank r4, F=2, tau=2",
          "fg-stream-f2-a0.5": "FG-DiLoCo LowRank r4, F=2, alpha=0.5",
