@@ -91,8 +91,8 @@ class LowRank(Codec):
     **Pairwise rounds** use :meth:`pair_session` instead (no residual; the warm starts are the only state)::
 
         worker i                                    worker j (the same, with i and j swapped)
-        P_i = Δ_i Q              ── send P_i ──▶     (m × r per matrix, Q: the pair's warm start, r × n)
-        P̂  = orthonormalise(P_hi − P_lo)            (identical on both: same inputs, same order; = (Δ_hi − Δ_lo) Q)
+        P_i = Δ_i Qᵀ             ── send P_i ──▶     (m × r per matrix, Qᵀ: the pair's warm start, r × n)
+        P̂  = orthonormalise(P_hi − P_lo)            (identical on both: same inputs, same order; = (Δ_hi − Δ_lo) Qᵀ)
         B_i = P̂ᵀ Δ_i             ── send B_i ──▶     (r × n per matrix; 1-D tensors travel dense here)
         Δ_i ← Δ_i + ½ P̂ (B_j − B_i)                 = Δ_i + ½ P̂P̂ᵀ(Δ_j − Δ_i)
         Q   ← rows of (B_hi − B_lo), normalised     (kept for this peer; committed only when the exchange succeeded)
@@ -133,8 +133,9 @@ class LowRank(Codec):
     (fp32) each. :meth:`max_body_bytes` gives the exact body size for a layout.
 
     The state (per tensor: warm-start ``Qᵀ``, ``r × n`` fp32 with unit rows; residual ``e``, fp32 of the tensor's
-    shape) changes only in ``encode(..., stateful=True)``; with ``stateful=False`` it is only read (``Q``) and no
-    residual is added or kept. It is saved by :meth:`state_dict` and restored exactly by
+    shape; per peer, the difference basis's warm starts) changes only in ``encode(..., stateful=True)`` and when a
+    pair session's outcome is committed; with ``stateful=False`` it is only read (``Q``) and no residual is added
+    or kept. It is saved by :meth:`state_dict` and restored exactly by
     :meth:`load_state_dict`, so a resumed run continues the same trajectory. State is kept per position in the
     tensor list, on the tensors' device.
 
