@@ -222,9 +222,11 @@ def clean_elastic_launch(tmp: str) -> float:
     return sum(w["held_out_loss"] for w in results.values()) / len(results)
 
 
-def clean_pipeline_pretrain(tmp: str) -> float:
+def clean_pipeline_pretrain(tmp: str) -> dict:
     """``fgdiloco pretrain`` on 2 elastic replicas of 2 stages, no fault (the job of
-    ``tests/test_pretrain_elastic.py``'s killed-stage test): its final held-out loss."""
+    ``tests/test_pretrain_elastic.py``'s killed-stage test): its final held-out loss and its held-out loss at every
+    evaluation point (``eval_curve``: ``[round, loss]``)."""
+    from fgdiloco.pretrain.results import read_rows
     from tests import test_pretrain_elastic as t
 
     out = Path(tmp)
@@ -232,7 +234,9 @@ def clean_pipeline_pretrain(tmp: str) -> float:
     stdout, stderr = t._finish(proc, 300)
     if proc.returncode != 0:
         raise RuntimeError(stdout + stderr)
-    return float(json.loads((out / "run" / "summary.json").read_text())["final_eval_loss"])
+    curve = [[r["round"], r["eval_loss"]] for r in read_rows(out / "run" / "metrics.jsonl")]
+    return {"held_out_loss": float(json.loads((out / "run" / "summary.json").read_text())["final_eval_loss"]),
+            "eval_curve": curve}
 
 
 CLEAN = {"clean_elastic_launch": clean_elastic_launch, "clean_pipeline_pretrain": clean_pipeline_pretrain}
@@ -241,6 +245,11 @@ CLEAN = {"clean_elastic_launch": clean_elastic_launch, "clean_pipeline_pretrain"
 def clean_loss(name: str) -> float:
     """The pinned final held-out loss of the uninterrupted run ``name`` (a key of :data:`CLEAN`)."""
     return float(json.loads((FIXTURES / f"{name}.json").read_text())["held_out_loss"])
+
+
+def clean_curve(name: str) -> dict[int, float]:
+    """The pinned held-out loss at each evaluation round of the uninterrupted run ``name`` (runs that keep it)."""
+    return {int(r): float(loss) for r, loss in json.loads((FIXTURES / f"{name}.json").read_text())["eval_curve"]}
 
 
 RUNS = {"exact": exact, "gossip_lowrank": gossip_lowrank, "pipeline": pipeline, "lightning": lightning,
@@ -253,7 +262,9 @@ def main(names: list[str]) -> None:
     for name in names or [*RUNS, *CLEAN]:
         with tempfile.TemporaryDirectory() as tmp:
             if name in CLEAN:
-                record = {"run": name, "doc": CLEAN[name].__doc__, "held_out_loss": CLEAN[name](tmp)}
+                got = CLEAN[name](tmp)
+                record = {"run": name, "doc": CLEAN[name].__doc__,
+                          **(got if isinstance(got, dict) else {"held_out_loss": got})}
             else:
                 record = {"run": name, "doc": RUNS[name].__doc__, "workers": RUNS[name](tmp)}
         (FIXTURES / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")

@@ -21,7 +21,7 @@ from fgdiloco.pretrain.config import TrainConfig
 from fgdiloco.pretrain.launcher import eval_points
 from fgdiloco.pretrain.merge import Merger
 from fgdiloco.pretrain.results import ROW_FIELDS, SUMMARY_FIELDS, read_rows, rejoin_marks
-from tests.pinned import clean_loss
+from tests.pinned import clean_curve, clean_loss
 
 FIXTURE = Path(__file__).parent / "fixtures" / "moby_dick_ch1-29.txt"
 TINY = ("--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--batch-size", "4", "--block-size", "32",
@@ -321,7 +321,7 @@ def _lives(out: Path, worker: int) -> list[dict]:
     return read_rows(out / "logs" / f"worker{worker}.lives")
 
 
-def killed_stage_argv(cache: Path, steps: int = 240, h: int = 2) -> list[str]:
+def killed_stage_argv(cache: Path, steps: int = 400, h: int = 2) -> list[str]:
     """The killed-stage test's job (its uninterrupted run is pinned: tests/pinned.py), without ``--out``."""
     return [*PIPE, "--steps", str(steps), "--sync-every", str(h), "--eval-every", "2", "--checkpoint-every", "2",
             "--timeout", "20", "--max-restarts", "2", "--cache-dir", str(cache), "--quiet"]
@@ -330,7 +330,9 @@ def killed_stage_argv(cache: Path, steps: int = 240, h: int = 2) -> list[str]:
 @pytest.mark.slow
 def test_a_killed_stage_restarts_its_replica_which_rejoins_while_the_other_replica_trains_on(tmp_path):
     out = tmp_path / "run"
-    steps, h = 240, 2
+    # 200 rounds: the replica's restart takes 6-9 s on a quiet 2-core machine and more under load, while replica 0
+    # alone runs 7-14 rounds a second; with 120 rounds the restart sometimes ended after replica 0's last round
+    steps, h = 400, 2
     proc = _start([*killed_stage_argv(tmp_path / "cache", steps, h), "--out", str(out)], tmp_path)
     try:
         _wait_for(lambda: any(r["round"] >= 10 for r in read_rows(out / "metrics.jsonl")), proc, 240, "round 10")
@@ -352,15 +354,22 @@ def test_a_killed_stage_restarts_its_replica_which_rejoins_while_the_other_repli
     # (a first life may join too: started a moment after its peers finished round 0, or fallen behind on a loaded
     # machine; every rejoin is forward)
     assert all(e["round"] > e["from_round"] for e in summary["rejoin_events"])
-    (event,) = [e for e in summary["rejoin_events"] if e["life"] > 0]
-    assert event["worker"] == 1 and event["life"] == 1 and event["round"] > event["from_round"] >= 8
-    if event["round"] - event["from_round"] >= ADOPT_ROUNDS:  # its checkpoints were old: both stages adopted
+    # the restarted replica joined once; a second event may follow at once (its stages took states from donors a
+    # round or more apart, and the one behind moved up to the other's round) or later (a catch-up): all forward
+    moves = [e for e in summary["rejoin_events"] if e["life"] > 0]
+    assert {(e["worker"], e["life"]) for e in moves} == {(1, 1)}, moves
+    assert all(b["from_round"] >= a["round"] for a, b in zip(moves, moves[1:])), moves
+    event = moves[0]
+    assert event["round"] > event["from_round"] >= 8
+    if event["round"] - event["from_round"] >= ADOPT_ROUNDS:  # its checkpoints were old: each stage asked once
         log1 = (out / "logs" / "worker1.log").read_text(errors="replace")
         adopted = log1.count("with a live peer's parameters and outer momentum")
-        # unless replica 0 was already in its last round when the restart ended (a loaded machine: the restart took
-        # longer than replica 0's 110 remaining rounds); then no live peer was left to send its state
-        assert adopted == 2 or event["round"] >= summary["rounds"] - 1, (event, log1[-3000:])
         assert adopted + log1.count("no peer sent its state") == 2, log1[-3000:]
+        if adopted < 2:  # no peer answered: only because replica 0 had finished its last round (a loaded machine,
+            # a restart longer than replica 0's remaining rounds), never because a live one did not answer
+            joined = next(e for e in _events(out, 1, "rejoin") if e["life"] == 1)
+            last_row = max(e["time"] for e in _events(out, 0, "row"))
+            assert last_row <= joined["time"], (event, last_row, joined["time"], log1[-3000:])
     cfg = TrainConfig(steps=steps, sync_every=h, eval_every=2)
     assert [e["round"] for e in _events(out, 0, "row")] == eval_points(cfg)  # replica 0 never stopped
     for s in range(2):
@@ -369,9 +378,15 @@ def test_a_killed_stage_restarts_its_replica_which_rejoins_while_the_other_repli
         log = (out / "logs" / f"worker{k}.log").read_text(errors="replace")
         assert [ln for ln in log.splitlines() if "timed out after" in ln and "[c10d]" not in ln] == [], k
 
-    # the same job uninterrupted (pinned: tests/pinned.py): the death costs at most 2 % of held-out loss
-    base = clean_loss("clean_pipeline_pretrain")
-    assert summary["final_eval_loss"] < 1.02 * base, (summary["final_eval_loss"], base)
+    # the same job uninterrupted (pinned: tests/pinned.py): the death costs at most 2 % of held-out loss beyond the
+    # tokens it cost. Replica 1 trained nothing from its checkpoint's round to its rejoin, so the job saw as many
+    # tokens as the clean run by round rounds - down / 2 (2 replicas); how long the restart takes depends on the
+    # machine's load (6-9 s quiet; replica 0 alone runs 7-14 rounds a second), so the loss is compared there
+    down = event["round"] - event["from_round"]
+    curve = clean_curve("clean_pipeline_pretrain")
+    at = max(r for r in curve if r <= summary["rounds"] - down / 2)
+    assert summary["final_eval_loss"] < 1.02 * curve[at], (summary["final_eval_loss"], at, curve[at], down)
+    assert curve[summary["rounds"]] == clean_loss("clean_pipeline_pretrain")
 
 
 @pytest.mark.slow
