@@ -522,6 +522,7 @@ class Mixer:
             verdict = send(_ACCEPT)
             if verdict != _ACCEPT:
                 raise _Rejected(f"rank {peer} rejected our frame in {key}")
+            channel.reuse()  # every payload went both ways: the pair group may serve the next exchange
             return outcome
         finally:
             channel.close()

@@ -10,6 +10,15 @@ key per exchange also means a peer that comes back after a failure can never be 
 exchange. The cost is a few store round trips per exchange (about 2-3 ms on a TCPStore, about 25 ms on a
 FileStore), paid once per gossip round, not per inner step.
 
+A pair group whose exchange ended cleanly on *both* sides is kept (:class:`_PairGroups`: one per peer and mix
+stream, the ``key`` without its schedule index) and reused for the stream's next exchange with that peer, but only
+when both sides say so: each side's hello names the group it holds for the stream (its token: the store prefix it
+was built under), and the group is reused when the two hellos name the same one; otherwise both build a fresh group
+and drop what they held. A side whose exchange failed, timed out or was given up drops its group, so the peers'
+tokens differ and a group that saw a timeout (its connections closed) or a half-finished conversation is never used
+again; a restarted peer holds nothing. Building a group was about 7 % of an FG-DiLoCo worker's CPU in the WAN job
+(py-spy), which the gossip threads take from the inner steps when cores are scarce.
+
 A pairwise exchange is a conversation on a :class:`Channel` (:meth:`Transport.open`): the codec's messages, then a
 one-byte accept/reject from each side, so an exchange is applied by both peers or by neither
 (:mod:`fgdiloco.gossip.mix`). Before any Gloo connection is made each side posts a *hello* for the exchange in the
@@ -38,6 +47,7 @@ import logging
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -94,6 +104,51 @@ class _Discarded(ExchangeError):
 
 
 _HELLO_GO, _HELLO_SKIP = b"go", b"skip"
+_TOKEN_SEP = b"="  # a hello that names a kept pair group: b"go=" + its token
+
+#: Pair groups kept for reuse per transport (least recently used dropped first): one per peer and mix stream.
+PAIR_GROUPS = 32
+
+
+class _PairGroups:
+    """Pair groups kept after an exchange that ended cleanly, one per ``(peer, stream)``, for reuse by the stream's
+    next exchange with that peer (both sides must name the same group in their hellos, :meth:`DistributedTransport.
+    _build`). A group is taken out while an exchange uses it, so two live conversations never share one."""
+
+    def __init__(self, capacity: int = PAIR_GROUPS):
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._idle: OrderedDict[tuple[int, str], tuple[str, Any, int]] = OrderedDict()
+        self._closed = False
+        self.built = 0  # groups built (fresh) and reused, for tests and benchmarks
+        self.reused = 0
+
+    def take(self, peer: int, stream: str) -> tuple[str, Any, int] | None:
+        """The group kept for ``(peer, stream)``, removed (``(token, group, its other rank)``), or None."""
+        with self._lock:
+            return self._idle.pop((peer, stream), None)
+
+    def give(self, peer: int, stream: str, kept: tuple[str, Any, int]) -> None:
+        """Keep ``kept`` for ``(peer, stream)`` (after a clean exchange); the least recently used beyond the
+        capacity, and anything given after :meth:`clear`, are dropped."""
+        with self._lock:
+            if self._closed:
+                return
+            self._idle[(peer, stream)] = kept
+            self._idle.move_to_end((peer, stream))
+            while len(self._idle) > self.capacity:
+                self._idle.popitem(last=False)
+
+    def drop_peer(self, peer: int) -> None:
+        """Forget every group kept for ``peer`` (it restarted, left or was found gone)."""
+        with self._lock:
+            for k in [k for k in self._idle if k[0] == peer]:
+                del self._idle[k]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._idle.clear()
 
 
 class Channel(abc.ABC):
@@ -103,6 +158,11 @@ class Channel(abc.ABC):
     @abc.abstractmethod
     def exchange(self, payload: bytes) -> bytes:
         """Send ``payload`` and return the peer's. Raises :class:`ExchangeError` when the peer is gone or late."""
+
+    def reuse(self) -> None:  # noqa: B027 - optional hook
+        """Say that the conversation ended cleanly on this side (every payload of it sent and received): the
+        connection may serve this mix stream's next exchange with the same peer, if the peer says so too. Call it
+        before :meth:`close`; without it the connection is dropped."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the connection (nothing to do by default)."""
@@ -255,6 +315,7 @@ class DistributedTransport(Transport):
         self.collective_timeout = d.collective_timeout
         self._pending: dict[tuple[int, str], _Pending] = {}
         self._pending_lock = threading.Lock()
+        self.pair_groups = _PairGroups()
         self._coll_lock = threading.Lock()
         self._coll = None
         if membership is not None:
@@ -305,10 +366,15 @@ class DistributedTransport(Transport):
 
     def _build(self, peer: int, key: str, timeout: float, cancel: threading.Event) -> tuple[Any, int]:
         """Post our hello, wait for the peer's (or for ``cancel``: this side gave up), agree on the decision, then
-        build the private 2-rank Gloo group (both sides do the same). Only waits: liveness is the supervisor's."""
+        build the private 2-rank Gloo group (both sides do the same), or reuse the one both hellos name (see the
+        module's docstring). Returns ``(group, the peer's rank in it, stream, token)``. Only waits: liveness is the
+        supervisor's."""
+        stream = key.rsplit("/", 1)[0]
+        held = self.pair_groups.take(peer, stream)  # dropped unless the peer names it too
+        hello = _HELLO_GO if held is None else _HELLO_GO + _TOKEN_SEP + held[0].encode()
         with self._stores() as store:
             prefix = self.membership.prefix(peer, key)
-            store.set(f"{prefix}/hello/{self.rank}", _HELLO_GO)
+            store.set(f"{prefix}/hello/{self.rank}", hello)
             theirs = f"{prefix}/hello/{peer}"
             t_end = time.monotonic() + timeout
             poll = _HELLO_POLL[0]  # a peer that is already there is met within milliseconds
@@ -326,7 +392,8 @@ class DistributedTransport(Transport):
                     time.sleep(min(poll, left))
                     poll = min(2 * poll, _HELLO_POLL[1])
                     continue
-                if store.get(theirs) == _HELLO_SKIP:
+                said = store.get(theirs)
+                if said == _HELLO_SKIP:
                     raise PeerDeclined(f"rank {peer} declined {key}")
                 if self.membership.has_left(peer) or self.membership.gone(peer, time.monotonic()) == "left":
                     # its hello predates its departure: a group with it would wait out its rendezvous
@@ -335,9 +402,13 @@ class DistributedTransport(Transport):
                 if store.compare_set(f"{prefix}/decision", "", _HELLO_GO) != _HELLO_GO:
                     raise PeerDeclined(f"rank {peer} discarded {key}")
                 break
+            if held is not None and said == hello:  # both sides hold the same group, unused since it ended cleanly
+                self.pair_groups.reused += 1
+                return held[1], held[2], stream, held[0]
             me = 0 if self.rank < peer else 1
             pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), me, 2, datetime.timedelta(seconds=timeout))
-            return pg, 1 - me
+            self.pair_groups.built += 1
+            return pg, 1 - me, stream, prefix
 
     def prepare(self, peer: int, *, key: str, timeout: float | None = None) -> None:
         """Start meeting ``peer`` for a later ``open(peer, key=key)`` in the background (hello and Gloo pair group).
@@ -406,10 +477,11 @@ class DistributedTransport(Transport):
                                      f"meet rank {peer} for {key}")
         try:
             if supervised:
-                pg, other = pending.job.result()
+                pg, other, stream, token = pending.job.result()
             else:
-                pg, other = supervise(pending.job, join_deadline=timeout, exchange_deadline=timeout, met=[],
-                                      watch=lambda t0, _: self._watch(peer, key, t0), what=f"{key} with rank {peer}")
+                pg, other, stream, token = supervise(
+                    pending.job, join_deadline=timeout, exchange_deadline=timeout, met=[],
+                    watch=lambda t0, _: self._watch(peer, key, t0), what=f"{key} with rank {peer}")
         except ExchangeError:
             if not supervised:
                 pending.cancel.set()
@@ -424,7 +496,8 @@ class DistributedTransport(Transport):
                 self._pending.pop((peer, key), None)
         if self.membership.gone(peer, time.monotonic()) == "left":  # it dropped its end of a prepared group
             raise PeerLeft(f"rank {peer} has left (departure notice) before {key}")
-        return _GlooChannel(pg, other, peer, key, deadline)
+        keep = lambda: self.pair_groups.give(peer, stream, (token, pg, other))  # noqa: E731
+        return _GlooChannel(pg, other, peer, key, deadline, keep)
 
     def _watch(self, peer: int, key: str, since: float) -> None:
         """Raise when ``peer`` will not come to ``key`` (the check an unsupervised :meth:`open` polls)."""
@@ -451,6 +524,7 @@ class DistributedTransport(Transport):
             store.add(f"{prefix}/abandoned/{self.rank}", 1)
         if suspect:
             self.membership.suspect(peer)
+            self.pair_groups.drop_peer(peer)
 
     def abandoned(self, peer: int, key: str) -> bool:
         with self._stores() as store:
@@ -472,6 +546,7 @@ class DistributedTransport(Transport):
         for (peer, _), p in pending:
             if not self._release(peer, p):
                 log.warning("fgdiloco rank %d: %s is still inside Gloo; not waiting for it", self.rank, p.job.what)
+        self.pair_groups.clear()
         super().close()
 
     # ------------------------------------------------------------------ collectives (the exact topology)
@@ -513,12 +588,24 @@ class DistributedTransport(Transport):
 
 
 class _GlooChannel(Channel):
-    """A channel on a private 2-rank Gloo group: each payload travels as its length, then its bytes."""
+    """A channel on a private 2-rank Gloo group: each payload travels as its length, then its bytes. ``keep``
+    gives the group back for reuse (:meth:`reuse`, then :meth:`close`)."""
 
-    def __init__(self, pg: Any, other: int, peer: int, key: str, deadline: float):
+    def __init__(self, pg: Any, other: int, peer: int, key: str, deadline: float,
+                 keep: Callable[[], None] | None = None):
         self.pg, self.other, self.peer, self.key = pg, other, peer, key
         self._tag = 0
         self._deadline = datetime.timedelta(seconds=deadline)
+        self._keep = keep
+        self._clean = False
+
+    def reuse(self) -> None:
+        self._clean = True
+
+    def close(self) -> None:
+        keep, self._keep = self._keep, None
+        if self._clean and keep is not None:
+            keep()
 
     def exchange(self, payload: bytes) -> bytes:
         tag, self._tag = self._tag, self._tag + 2
