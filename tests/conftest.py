@@ -15,4 +15,23 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
+
+
+@pytest.fixture
+def store():
+    """A gossip store (the elastic jobs' TCPStore server) on a free port, for workers that are threads of a test."""
+    from fgdiloco.elastic import GossipStore
+
+    s = GossipStore("127.0.0.1", 0)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def torchrun_job(monkeypatch):
+    """Every process of a test is 'the same torchrun job' unless a test says otherwise: taking a slot back is then a
+    restart (at once), as under torchrun."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test-job")

@@ -36,19 +36,7 @@ from fgdiloco.gossip.topology import make_topology
 from fgdiloco.gossip.transport import DistributedTransport, PeerDeclined, PeerGone
 from fgdiloco.runtime import Background, drain_background, running_background
 
-
-@pytest.fixture(autouse=True)
-def _torchrun_job(monkeypatch):
-    """Every process of a test is 'the same torchrun job' unless a test says otherwise: taking a slot back is then a
-    restart (at once), as under torchrun."""
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test-job")
-
-
-@pytest.fixture
-def store():
-    s = GossipStore("127.0.0.1", 0)
-    yield s
-    s.close()
+pytestmark = pytest.mark.usefixtures("torchrun_job")  # tests/conftest.py; ``store`` comes from there too
 
 
 def _client(store: GossipStore) -> dist.TCPStore:

@@ -61,8 +61,9 @@ def _finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
 def test_a_worker_killed_from_outside_is_restarted_and_rejoins_while_the_others_train_on(tmp_path):
     out = tmp_path / "run"
     # long enough that the survivors are still training when worker 3 is back (its restart, importing torch,
-    # takes 5-20 s on a loaded 2-core machine; 3 workers run 4-5 rounds a second)
-    steps, h, every = 240, 2, 2
+    # takes 5-20 s on a loaded 2-core machine; 3 workers run about 10 rounds a second since pair groups are reused:
+    # with 120 rounds they once finished before worker 3 was back)
+    steps, h, every = 600, 2, 2
     proc = _start(["--workers", "4", *TINY, "--steps", str(steps), "--sync-every", str(h), "--eval-every",
                    str(every), "--checkpoint-every", "2", "--timeout", "20", "--max-restarts", "2",
                    "--cache-dir", str(tmp_path / "cache"), "--out", str(out), "--quiet"], tmp_path)

@@ -17,17 +17,7 @@ from fgdiloco.gossip.mix import Mixer, PeerHealth
 from fgdiloco.gossip.topology import make_topology
 from fgdiloco.gossip.transport import DistributedTransport
 
-
-@pytest.fixture(autouse=True)
-def _torchrun_job(monkeypatch):
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test-job")
-
-
-@pytest.fixture
-def store():
-    s = GossipStore("127.0.0.1", 0)
-    yield s
-    s.close()
+pytestmark = pytest.mark.usefixtures("torchrun_job")  # tests/conftest.py; ``store`` comes from there too
 
 
 def _transport(store: GossipStore, rank: int, world: int, timeout: float = 10.0) -> DistributedTransport:
