@@ -364,7 +364,7 @@ class DistributedTransport(Transport):
         with self._pending_lock:
             return self._pending.setdefault((peer, key), _Pending())
 
-    def _build(self, peer: int, key: str, timeout: float, cancel: threading.Event) -> tuple[Any, int]:
+    def _build(self, peer: int, key: str, timeout: float, cancel: threading.Event) -> tuple[Any, int, str, str]:
         """Post our hello, wait for the peer's (or for ``cancel``: this side gave up), agree on the decision, then
         build the private 2-rank Gloo group (both sides do the same), or reuse the one both hellos name (see the
         module's docstring). Returns ``(group, the peer's rank in it, stream, token)``. Only waits: liveness is the
