@@ -42,15 +42,24 @@ import torch
 
 from fgdiloco.factor import BF16, Dense, LowRank
 from fgdiloco.gossip.mix import pair_round_in_process
+from fgdiloco.pretrain.comparison import JOB, METHODS
 from fgdiloco.pretrain.model import GPT, GPTConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
-JOB = ["--workers", "4", "--n-layer", "2", "--n-head", "4", "--n-embd", "128", "--vocab-size", "1024",
-       "--block-size", "64", "--batch-size", "8", "--steps", "300", "--sync-every", "10", "--warmup-steps", "20",
-       "--weight-decay", "0.1", "--eval-batches", "8", "--eval-every", "10", "--quiet"]
-FG_BEST = ["--codec", "lowrank", "--codec-rank", "8", "--overlap-steps", "4", "--mix-momentum", "false",
-           "--topology", "exponential", "--mix2-rounds", "2"]
+#: benchmarks.wan's job and FG-DiLoCo's best setting there (``fgdiloco.pretrain.comparison``)
+FG_BEST = "fg-lowrank-t4-nm-r8-m2-exp"
 VARIANTS = {"gossip": [], "no gossip": ["--mix1-rounds", "0", "--mix2-rounds", "0"]}
+
+
+def _flags(settings: dict) -> list[str]:
+    """``fgdiloco pretrain`` flags for TrainConfig fields (``{"n_layer": 2}`` -> ``["--n-layer", "2"]``)."""
+    out = []
+    for key, value in settings.items():
+        out += [f"--{key.replace('_', '-')}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return out
+
+
+JOB_ARGV = [*_flags({**JOB, **METHODS[FG_BEST]}), "--eval-every", "10", "--quiet"]
 CODECS = {"LowRank(8)": lambda: LowRank(8), "LowRank(4)": lambda: LowRank(4), "BF16()": BF16, "Dense()": Dense}
 
 
@@ -71,7 +80,7 @@ def job_cpu(extra: list[str], folder: Path) -> dict:
     """CPU seconds of one ``fgdiloco pretrain`` job's process tree, and its summary's numbers."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    subprocess.run([sys.executable, "-m", "fgdiloco", "pretrain", *JOB, *FG_BEST, *extra, "--cache-dir",
+    subprocess.run([sys.executable, "-m", "fgdiloco", "pretrain", *JOB_ARGV, *extra, "--cache-dir",
                     str(folder / "cache"), "--out", str(folder / "run"), "--overwrite"], env=env, check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -87,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, default=RESULTS / "gossip_cpu.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=128, vocab_size=1024, block_size=64))
+    model = GPT(GPTConfig(**{k: JOB[k] for k in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")}))
     shapes = [p.shape for p in model.parameters()]
     codecs = {name: codec_cpu(make, shapes) for name, make in CODECS.items()}
     for name, sec in codecs.items():
@@ -116,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"[gossip_cpu] gossip: {1e3 * per_round:.0f} ms of CPU per worker and outer round (codec work "
           f"{summary['fg_best_codec_cpu_ms_per_outer_round']:.0f} ms of it)", flush=True)
     result = {"benchmark": "gossip_cpu", "command": "python -m benchmarks.gossip_cpu " + " ".join(argv or []),
-              "job": JOB + FG_BEST, "torch": torch.__version__, "summary": summary, "runs": runs}
+              "job": JOB_ARGV, "torch": torch.__version__, "summary": summary, "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(summary, indent=1))
