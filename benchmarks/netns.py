@@ -37,15 +37,19 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["NetnsCluster", "cleanup", "PREFIX"]
+__all__ = ["NetnsCluster", "cleanup", "confine_training_thread", "PREFIX"]
 
 PREFIX = "fgdb"  # every namespace this module creates starts with it
 RESULTS = Path(__file__).resolve().parent / "results"
 
 _LIVE: list[NetnsCluster] = []
+#: environment variables :meth:`NetnsCluster.popen` sets with ``quota_training_thread``: the ``tasks`` files of the
+#: worker's training-thread cgroup (the quota) and of the cgroup its other threads run in
+TRAINING_TASKS, OTHER_TASKS = "FGDILOCO_BENCH_TRAINING_TASKS", "FGDILOCO_BENCH_OTHER_TASKS"
 
 
 def _ip(*args: str, check: bool = True, timeout: float = 20.0) -> subprocess.CompletedProcess:
@@ -59,16 +63,21 @@ def _sh(argv: list[str], check: bool = True, timeout: float = 20.0) -> subproces
     return r
 
 
-def _cpu_cgroup(name: str, cpus: float, period_us: int = 100_000) -> Path:
-    """A CPU cgroup ``name`` whose processes together get at most ``cpus`` cores (CFS bandwidth control), made
-    fresh; cgroup v2 (``cpu.max``) where the unified hierarchy has the cpu controller, else v1's cpu hierarchy."""
-    quota = max(1000, int(cpus * period_us))
+def _cpu_cgroup(name: str, cpus: float | None, period_us: int = 100_000, *, per_thread: bool = False) -> Path:
+    """A CPU cgroup ``name`` whose processes together get at most ``cpus`` cores (CFS bandwidth control; None: no
+    limit), made fresh; cgroup v2 (``cpu.max``) where the unified hierarchy has the cpu controller, else v1's cpu
+    hierarchy. ``per_thread``: threads of one process will be placed in different cgroups (cgroup v1 only, whose
+    ``tasks`` file moves single threads)."""
+    quota = -1 if cpus is None else max(1000, int(cpus * period_us))
     v2, v1 = Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/cpu")
     controllers = v2 / "cgroup.controllers"
     if controllers.is_file() and "cpu" in controllers.read_text().split():
+        if per_thread:
+            raise RuntimeError("quota_training_thread needs cgroup v1's cpu hierarchy (its tasks file moves single "
+                               "threads); this machine has cgroup v2")
         cg = v2 / name
         cg.mkdir(exist_ok=True)
-        (cg / "cpu.max").write_text(f"{quota} {period_us}")
+        (cg / "cpu.max").write_text(f"{'max' if quota < 0 else quota} {period_us}")
         return cg
     if not (v1 / "cpu.cfs_quota_us").is_file():
         raise RuntimeError("cpus_per_worker needs CFS bandwidth control (cgroup v1 cpu or v2 cpu.max), found none")
@@ -95,6 +104,45 @@ def cleanup(prefix: str = PREFIX) -> list[str]:
         _ip("netns", "del", ns, check=False)
         gone.append(ns)
     return gone
+
+
+def confine_training_thread(poll_seconds: float = 0.002) -> bool:
+    """Put the calling thread alone under the worker's quota (``NetnsCluster(quota_training_thread=True)``).
+
+    Call it from the thread that will run the inner steps, in a process :meth:`NetnsCluster.popen` started (the
+    process starts in the worker's cgroup without a limit). A daemon thread then keeps every other thread out of
+    the quota: a thread inherits the cgroup of the thread that made it, so each thread the training thread starts
+    is moved out within ``poll_seconds`` (what it ran until then counts against the quota). Returns False, doing
+    nothing, outside such a cluster."""
+    training, other = os.environ.get(TRAINING_TASKS), os.environ.get(OTHER_TASKS)
+    if not (training and other):
+        return False
+    import threading
+
+    me = threading.get_native_id()
+    ready = threading.Event()
+
+    def keep_apart() -> None:
+        placed = {me, threading.get_native_id()}
+        fd = os.open(other, os.O_WRONLY)
+        ready.set()
+        while True:
+            for name in os.listdir("/proc/self/task"):
+                tid = int(name)
+                if tid not in placed:
+                    placed.add(tid)
+                    with contextlib.suppress(OSError):  # a thread that has already ended
+                        os.write(fd, f"{tid}\n".encode())
+            time.sleep(poll_seconds)
+
+    threading.Thread(target=keep_apart, name="fgdiloco-bench-keep-apart", daemon=True).start()
+    ready.wait()
+    fd = os.open(training, os.O_WRONLY)
+    try:
+        os.write(fd, f"{me}\n".encode())
+    finally:
+        os.close(fd)
+    return True
 
 
 def _teardown_all() -> None:
@@ -143,15 +191,23 @@ class NetnsCluster:
             an unlimited worker that waits for the network lends its core to the others, so waiting costs a method
             less here than on a host of its own; a quota takes that loan away: each worker is a host of
             ``cpus_per_worker`` cores.
+        quota_training_thread: with ``cpus_per_worker``, the quota holds each worker's training thread only (its
+            main thread, the one that runs the inner steps); every other thread of the worker (gossip, Gloo's,
+            torchft's manager) runs in a second cgroup of the worker's without a limit, as on a GPU host whose spare
+            CPU cores carry the communication while the inner steps run on the GPU. The worker process places its
+            threads itself: :func:`confine_training_thread`. cgroup v1 only.
     """
 
     def __init__(self, n: int, rate_mbit: float = 100.0, *, tag: str | None = None, subnet: str = "10.213.0",
-                 burst: int | None = None, latency_ms: float = 50.0, cpus_per_worker: float | None = None):
+                 burst: int | None = None, latency_ms: float = 50.0, cpus_per_worker: float | None = None,
+                 quota_training_thread: bool = False):
         if not 1 <= n <= 250:
             raise ValueError(f"n must be in [1, 250], got {n}")
         if cpus_per_worker is not None and not 0.01 <= cpus_per_worker <= (os.cpu_count() or 1):
             raise ValueError(f"cpus_per_worker must be None or in [0.01, {os.cpu_count()}] cores, got "
                              f"{cpus_per_worker!r}")
+        if quota_training_thread and cpus_per_worker is None:
+            raise ValueError("quota_training_thread needs cpus_per_worker (the training thread's quota)")
         parts = subnet.split(".")
         if len(parts) != 3 or not all(p.isdigit() and 0 <= int(p) <= 255 for p in parts):
             raise ValueError(f"subnet must be three octets like '10.213.0', got {subnet!r}")
@@ -172,7 +228,9 @@ class NetnsCluster:
         self.bridge_ifnames = [f"{self.tag}b{i}" for i in range(n)]
         self.addrs = [f"{subnet}.{i + 1}" for i in range(n)]
         self.cpus_per_worker = cpus_per_worker
+        self.quota_training_thread = quota_training_thread
         self.cgroups: list[Path] = []
+        self.other_cgroups: list[Path] = []  # quota_training_thread: where the workers' other threads run
         self._procs: list[subprocess.Popen] = []
         self._up = False
 
@@ -202,7 +260,10 @@ class NetnsCluster:
                 _ip("-n", br, "link", "set", bif, "up")
             self.set_rate(self.rate_mbit)
             if self.cpus_per_worker is not None:
-                self.cgroups = [_cpu_cgroup(ns, self.cpus_per_worker) for ns in self.names]
+                apart = self.quota_training_thread
+                self.cgroups = [_cpu_cgroup(ns, self.cpus_per_worker, per_thread=apart) for ns in self.names]
+                if apart:
+                    self.other_cgroups = [_cpu_cgroup(f"{ns}-other", None, per_thread=True) for ns in self.names]
         except BaseException:
             self.down()
             raise
@@ -218,10 +279,10 @@ class NetnsCluster:
             with contextlib.suppress(Exception):
                 p.wait(timeout=5)
         self._procs = []
-        for cg in self.cgroups:
+        for cg in self.cgroups + self.other_cgroups:
             with contextlib.suppress(OSError):  # empty once its processes are gone
                 cg.rmdir()
-        self.cgroups = []
+        self.cgroups, self.other_cgroups = [], []
         if self._up:
             cleanup(self.tag + "-")
             self._up = False
@@ -259,11 +320,13 @@ class NetnsCluster:
     # ------------------------------------------------------------------ running things inside
     def argv(self, i: int, argv: list[str], *, quota: bool = True) -> list[str]:
         """``argv`` run inside worker ``i``'s namespace and, with ``cpus_per_worker`` and ``quota``, its CPU
-        cgroup (entered before ``exec``, so every thread and child the process makes is in it too)."""
+        cgroup (entered before ``exec``, so every thread and child the process makes is in it too; with
+        ``quota_training_thread`` the cgroup without a limit, and the process moves its training thread)."""
         inside = ["ip", "netns", "exec", self.names[i], *argv]
         if not (quota and self.cgroups):
             return inside
-        return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.cgroups[i] / "cgroup.procs"), *inside]
+        cg = self.other_cgroups[i] if self.other_cgroups else self.cgroups[i]
+        return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cg / "cgroup.procs"), *inside]
 
     def dist_env(self, i: int, port: int = 29500) -> dict[str, str]:
         """torchrun-style environment for worker ``i`` of an ``n``-rank Gloo job across the namespaces."""
@@ -277,6 +340,9 @@ class NetnsCluster:
         CPU cgroup too, when the cluster has ``cpus_per_worker``."""
         full_env = dict(os.environ)
         full_env.update(env or {})
+        if quota and self.other_cgroups:
+            full_env.update({TRAINING_TASKS: str(self.cgroups[i] / "tasks"),
+                             OTHER_TASKS: str(self.other_cgroups[i] / "tasks")})
         p = subprocess.Popen(self.argv(i, argv, quota=quota), env=full_env, start_new_session=True, **kw)
         self._procs.append(p)
         return p

@@ -87,6 +87,9 @@ FAULT_TIMEOUT = 5.0
 # ---------------------------------------------------------------------------------------------------- worker side
 def worker_main(config_path: str) -> int:
     """One worker, inside its namespace: torchrun-style env vars are set by the orchestrator."""
+    from benchmarks.netns import confine_training_thread
+
+    confine_training_thread()  # --quota-training-thread: only this thread, the inner steps', under the quota
     import fgdiloco
     from fgdiloco.pretrain.config import TrainConfig
     from fgdiloco.pretrain.worker import train_worker
@@ -435,6 +438,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="CPU cores each worker's processes may use (a CFS quota per worker namespace), e.g. 0.45 for "
                          "4 workers on 2 cores: each worker is then a host of its own, and one that waits for the "
                          "network no longer lends its core to the others (default: no limit)")
+    ap.add_argument("--quota-training-thread", action="store_true",
+                    help="with --cpus-per-worker: the quota holds each worker's training thread only; its other "
+                         "threads (gossip, Gloo, torchft's manager) run beside it without a limit, as on a GPU host "
+                         "whose spare cores carry the communication (cgroup v1)")
     ap.add_argument("--out", default=None, help="JSON output (default benchmarks/results/wan.json)")
     ap.add_argument("--runs-dir", default="/tmp/fgdiloco-wan", help="per-run outputs (metrics.jsonl, logs)")
     ap.add_argument("--reanalyse", metavar="JSON", help="recompute tables, targets and the plot of a finished run")
@@ -443,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
         return worker_main(args.worker)
     if args.reanalyse:
         return reanalyse(Path(args.reanalyse))
+    if args.quota_training_thread and not args.cpus_per_worker:
+        raise SystemExit("--quota-training-thread needs --cpus-per-worker (the training thread's quota)")
     if os.geteuid() != 0:
         raise SystemExit("benchmarks.wan needs root (network namespaces)")
     from benchmarks.netns import NetnsCluster
@@ -502,7 +511,8 @@ def main(argv: list[str] | None = None) -> int:
                    + (f" --bandwidths {args.bandwidths}" if args.bandwidths else "")
                    + (f" --methods {args.methods}" if args.methods else "")
                    + (f" --seeds {args.seeds}" if args.seeds else "")
-                   + (f" --cpus-per-worker {args.cpus_per_worker:g}" if args.cpus_per_worker else ""),
+                   + (f" --cpus-per-worker {args.cpus_per_worker:g}" if args.cpus_per_worker else "")
+                   + (" --quota-training-thread" if args.quota_training_thread else ""),
         "job": job, "workers": job["workers"], "methods": {m: METHODS[m] for m in methods}, "code": code,
         "bandwidths_mbit": bandwidths, "cap_seconds": cap,
         "notes": [
@@ -518,6 +528,10 @@ def main(argv: list[str] | None = None) -> int:
             "every round and evaluated after training (eval_deferred), so nothing but training runs between rounds.",
             "no propagation delay is emulated (netem does not exist in this kernel): RTT is ~0.02 ms.",
         ] + ([
+            f"--quota-training-thread: the {args.cpus_per_worker:g}-core quota holds each worker's training (main) "
+            "thread only; its other threads run in a cgroup of their own without a limit (the machine's spare "
+            "cores), as on a GPU host; a thread the training thread starts is moved out within 2 ms.",
+        ] if args.quota_training_thread else []) + ([
             "torchft (benchmarks/peers.py): one replica group per worker (Manager + TCPStore in its namespace), "
             "torchft.ProcessGroupGloo across replicas, torchft_lighthouse in worker 0's namespace bound to its "
             "address; lighthouse min_replicas = Manager min_replica_size = 4 (dead-worker runs: 3); default "
@@ -532,9 +546,11 @@ def main(argv: list[str] | None = None) -> int:
     extra_h = args.sensitivity_h if args.sensitivity_h is not None else (None if args.quick or args.peers else 20)
     sens_runs: list[dict[str, Any]] = []
     port = 29400
-    with NetnsCluster(job["workers"], rate_mbit=bandwidths[0], cpus_per_worker=args.cpus_per_worker) as net:
+    with NetnsCluster(job["workers"], rate_mbit=bandwidths[0], cpus_per_worker=args.cpus_per_worker,
+                      quota_training_thread=args.quota_training_thread) as net:
         result["network"] = {"namespaces": net.names, "addresses": net.addrs, "isolation": net.isolation_check(),
-                             "rtt": net.measure_rtt(), "shaping_check": [], "cpus_per_worker": args.cpus_per_worker}
+                             "rtt": net.measure_rtt(), "shaping_check": [], "cpus_per_worker": args.cpus_per_worker,
+                             "quota_training_thread": args.quota_training_thread}
         for seed, bw in [(seed, bw) for seed in (seeds or [job["seed"]]) for bw in bandwidths]:
             net.set_rate(bw)
             chk = net.measure_throughput(0, 1, seconds=1.5 if args.quick else 2.0)
