@@ -47,9 +47,12 @@ PREFIX = "fgdb"  # every namespace this module creates starts with it
 RESULTS = Path(__file__).resolve().parent / "results"
 
 _LIVE: list[NetnsCluster] = []
-#: environment variables :meth:`NetnsCluster.popen` sets with ``quota_training_thread``: the ``tasks`` files of the
-#: worker's training-thread cgroup (the quota) and of the cgroup its other threads run in
-TRAINING_TASKS, OTHER_TASKS = "FGDILOCO_BENCH_TRAINING_TASKS", "FGDILOCO_BENCH_OTHER_TASKS"
+#: with ``quota_training_thread`` a worker inherits these descriptors, open for writing on the ``tasks`` files of its
+#: training-thread cgroup (the quota) and of the cgroup its other threads run in (``ip netns exec`` mounts a /sys of
+#: the namespace's own, without the cgroups, so they are opened before it)
+TRAINING_FD, OTHER_FD = 7, 8
+#: environment variable that says a worker has them
+APART = "FGDILOCO_BENCH_THREADS_APART"
 
 
 def _ip(*args: str, check: bool = True, timeout: float = 20.0) -> subprocess.CompletedProcess:
@@ -114,8 +117,7 @@ def confine_training_thread(poll_seconds: float = 0.002) -> bool:
     the quota: a thread inherits the cgroup of the thread that made it, so each thread the training thread starts
     is moved out within ``poll_seconds`` (what it ran until then counts against the quota). Returns False, doing
     nothing, outside such a cluster."""
-    training, other = os.environ.get(TRAINING_TASKS), os.environ.get(OTHER_TASKS)
-    if not (training and other):
+    if os.environ.get(APART) != "1":
         return False
     import threading
 
@@ -124,7 +126,6 @@ def confine_training_thread(poll_seconds: float = 0.002) -> bool:
 
     def keep_apart() -> None:
         placed = {me, threading.get_native_id()}
-        fd = os.open(other, os.O_WRONLY)
         ready.set()
         while True:
             for name in os.listdir("/proc/self/task"):
@@ -132,16 +133,12 @@ def confine_training_thread(poll_seconds: float = 0.002) -> bool:
                 if tid not in placed:
                     placed.add(tid)
                     with contextlib.suppress(OSError):  # a thread that has already ended
-                        os.write(fd, f"{tid}\n".encode())
+                        os.write(OTHER_FD, f"{tid}\n".encode())
             time.sleep(poll_seconds)
 
     threading.Thread(target=keep_apart, name="fgdiloco-bench-keep-apart", daemon=True).start()
     ready.wait()
-    fd = os.open(training, os.O_WRONLY)
-    try:
-        os.write(fd, f"{me}\n".encode())
-    finally:
-        os.close(fd)
+    os.write(TRAINING_FD, f"{me}\n".encode())
     return True
 
 
@@ -325,8 +322,11 @@ class NetnsCluster:
         inside = ["ip", "netns", "exec", self.names[i], *argv]
         if not (quota and self.cgroups):
             return inside
-        cg = self.other_cgroups[i] if self.other_cgroups else self.cgroups[i]
-        return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cg / "cgroup.procs"), *inside]
+        if not self.other_cgroups:
+            return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.cgroups[i] / "cgroup.procs"), *inside]
+        return ["sh", "-c", f'echo $$ > "$0" && exec {TRAINING_FD}>"$1" {OTHER_FD}>"$2" && shift 2 && exec "$@"',
+                str(self.other_cgroups[i] / "cgroup.procs"), str(self.cgroups[i] / "tasks"),
+                str(self.other_cgroups[i] / "tasks"), *inside]
 
     def dist_env(self, i: int, port: int = 29500) -> dict[str, str]:
         """torchrun-style environment for worker ``i`` of an ``n``-rank Gloo job across the namespaces."""
@@ -341,8 +341,7 @@ class NetnsCluster:
         full_env = dict(os.environ)
         full_env.update(env or {})
         if quota and self.other_cgroups:
-            full_env.update({TRAINING_TASKS: str(self.cgroups[i] / "tasks"),
-                             OTHER_TASKS: str(self.other_cgroups[i] / "tasks")})
+            full_env[APART] = "1"
         p = subprocess.Popen(self.argv(i, argv, quota=quota), env=full_env, start_new_session=True, **kw)
         self._procs.append(p)
         return p
