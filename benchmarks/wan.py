@@ -9,6 +9,10 @@ Run from the repository root, as root (network namespaces)::
                                          # then the dead-worker runs (~40 min); writes results/wan_peers.json + PNGs
     python -m benchmarks.wan --peers --quick   # ~5-minute check of that path: 100 Mbit/s, 60 steps, 4 methods
     python -m benchmarks.wan --peers --grid --bandwidths 100,10   # the tuning grid of both sides (~12 min)
+    python -m benchmarks.wan --peers --seeds 0,1,2 --cpus-per-worker 0.45   # each worker a host of 0.45 of a core
+    python -m benchmarks.wan --peers --seeds 0,1,2 --cpus-per-worker 0.35 --quota-training-thread
+                                         # the share on each worker's training thread only, its other threads on
+                                         # the spare cores (a GPU host's regime; cgroup v1)
 
 Four workers, each in its own network namespace (``benchmarks/netns.py``: veth pairs to a bridge, both ends shaped
 with ``tc ... tbf`` at 10, 100 and 1000 Mbit/s; addresses in 10.213.0.0/24 that exist only inside those
