@@ -182,6 +182,7 @@ def main() -> None:
         accelerator="cpu",
         devices=args.workers,
         max_steps=args.steps,
+        max_epochs=1,  # the data module holds exactly --steps batches per replica (and the progress bar says so)
         val_check_interval=args.val_every,
         num_sanity_val_steps=0,
         callbacks=[monitor],
