@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import difflib
 import importlib.util
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -55,9 +56,17 @@ class _Parser(argparse.ArgumentParser):
                    + (f"; did you mean {' or '.join(hints)}?" if hints else ""))
 
 
+class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds ``(default: ...)`` to an option's help unless the help already says what its default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "(default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _add_command(subparsers: Any, name: str, **kwargs: Any) -> _Parser:
-    return subparsers.add_parser(name, allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                 **kwargs)
+    return subparsers.add_parser(name, allow_abbrev=False, formatter_class=_Defaults, **kwargs)
 
 
 def _missing_extra(prog: str) -> int | None:
@@ -322,11 +331,21 @@ def _launch_pretrain(cfg: Any, out: Path, resume: bool, prog: str, display: _Dis
 
 
 def _as_option(message: str) -> str:
-    """``"sync_every must be ..."`` (a TrainConfig or FGDiLoCoConfig check) -> ``"--sync-every must be ..."``."""
+    """A TrainConfig or FGDiLoCoConfig check's message in the command's terms: ``"sync_every must be ..."`` ->
+    ``"--sync-every must be ..."``, ``"fragments=3 must divide sync_every=20"`` -> ``"--fragments 3 must divide
+    --sync-every 20"``. Setting names are rewritten where they cannot be prose: the first word, ``name=value``, and
+    names with an underscore."""
     from .pretrain.config import TrainConfig
 
-    head, _, rest = message.partition(" ")
-    return f"--{head.replace('_', '-')} {rest}" if head in set(TrainConfig.names()) else message
+    names = set(TrainConfig.names())
+
+    def flag(m: re.Match) -> str:
+        name, eq = m.group(1), m.group(2)
+        if name not in names or not (m.start() == 0 or eq or "_" in name):
+            return m.group(0)
+        return "--" + name.replace("_", "-") + (" " if eq else "")
+
+    return re.sub(r"(?<![\w.'\"-])([a-z][a-z0-9_]*)(=?)", flag, message)
 
 
 def _interrupted(out: Path, display: _Display, finish: Any, code: int = EXIT_INTERRUPTED) -> int:

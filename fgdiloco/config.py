@@ -181,7 +181,10 @@ class Fragments(Check):
             raise TypeError(f"{name} must be {self.allowed}, got bool")
         if isinstance(value, int):
             return Count(1)(name, value)
-        if isinstance(value, (list, tuple)) and value:
+        if isinstance(value, (list, tuple)):
+            if not value:
+                raise ValueError(f"{name} must be {self.allowed}; got an empty {type(value).__name__} (a list needs at "
+                                 "least one fragment)")
             return tuple(value)
         raise TypeError(f"{name} must be {self.allowed}, got {type(value).__name__}")
 
@@ -369,9 +372,13 @@ class FGDiLoCoConfig:
 
             mix1 = resolve_codec(mix1, default="bf16", argument="mix1_codec")
         if mix1.stateful:
-            raise ValueError(f"mix1_codec={mix1!r} keeps per-worker state (warm starts or error feedback), which is "
-                             "not safe for parameters; use a stateless value codec: 'dense' (lossless), 'bf16' "
-                             "(default) or 'int8'")
+            raise ValueError(f"mix1_codec={self.mix1_codec!r} keeps per-worker state (warm starts or error "
+                             "feedback), which is not safe for parameters; use a stateless value codec: 'dense' "
+                             "(lossless), 'bf16' (default) or 'int8'")
+        if self.codec_rank is not None:
+            from .factor import resolve_codec
+
+            resolve_codec(self.codec, default="lowrank", argument="codec", rank=self.codec_rank)
         count = fragment_count(self.fragments)
         if self.sync_every % count:
             raise ValueError(f"fragments={count} must divide sync_every={self.sync_every} (one fragment's outer "

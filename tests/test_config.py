@@ -59,6 +59,22 @@ def test_bools_are_not_counts_and_names_come_from_the_registries():
     assert FGDiLoCoConfig(codec="LowRank").codec == "lowrank"  # names are case-insensitive, stored lower case
 
 
+def test_a_codec_rank_needs_a_codec_given_by_name_that_takes_one():
+    from fgdiloco.factor import LowRank
+
+    assert FGDiLoCoConfig(codec="lowrank", codec_rank=8).codec_rank == 8
+    with pytest.raises(ValueError, match=r"^codec_rank=8 applies to a codec that takes a rank \(lowrank\); "
+                                         r"codec='dense' has none"):
+        FGDiLoCoConfig(codec="dense", codec_rank=8)
+    with pytest.raises(ValueError, match="^codec_rank=8 applies to a codec given by name; codec=LowRank"):
+        FGDiLoCoConfig(codec=LowRank(4), codec_rank=8)
+
+
+def test_an_empty_list_of_fragments_is_refused_as_empty():
+    with pytest.raises(ValueError, match="^fragments must be an int >= 1 or a list .*; got an empty list"):
+        FGDiLoCoConfig(fragments=[], sync_every=10)
+
+
 def test_the_timeout_shorthand_sets_the_four_timeouts_not_given():
     c = FGDiLoCoConfig(timeout=7)
     assert [getattr(c, n) for n in TIMEOUT_FIELDS] == [7.0] * 4 and c.liveness == 2.0

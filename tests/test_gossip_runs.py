@@ -86,12 +86,15 @@ def test_an_exchange_whose_peer_is_gone_is_not_waited_for_at_exit():
     assert not [w for w in running_background() if "mix2/" in w], running_background()
 
 
-def test_when_only_the_peers_payload_arrives_both_keep_their_own_values():
+def test_when_only_the_peers_payload_arrives_both_keep_their_own_values(caplog):
     # rank 0's frame (message 0 of the conversation) is lost on the way to rank 1; rank 1's reaches rank 0
-    res = _two_local_mixers(lambda key, src, dst, pos: src == 0 and pos == 0)
+    with caplog.at_level("WARNING", logger="fgdiloco"):
+        res = _two_local_mixers(lambda key, src, dst, pos: src == 0 and pos == 0)
     for rank in (0, 1):
         assert torch.equal(res[rank].values[0], torch.full((5,), float(rank))), res[rank].values
         assert res[rank].failed == 1
+        # each worker's warning names it: the lines of a job's workers end up side by side
+        assert f"fgdiloco rank {rank} mix2: " in caplog.text, caplog.text
     # without the fault both mix
     res = _two_local_mixers(None)
     assert all(torch.equal(r.values[0], torch.full((5,), 0.5)) for r in res)

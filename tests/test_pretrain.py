@@ -521,6 +521,12 @@ def test_bad_input_is_refused_in_one_line_naming_the_option_before_any_worker_st
         (["--out", str(earlier)], "--out", "holds another run's results (summary.json); pass --overwrite"),
         (["--out", str(earlier), "--overwrite", "--data", str(binary)], "--data", "is not UTF-8 text"),
         (["--workers", "100000"], "--workers", "GiB of memory"),
+        (["--block-size", "100000"], "--workers", "not even one worker fits: use a smaller model (--n-layer"),
+        (["--fragments", "3"], "--fragments", "3 must divide --sync-every 20"),
+        (["--n-head", "3"], "--n-embd", "(128) must be divisible by --n-head (3)"),
+        (["--codec", "dense", "--codec-rank", "8"], "--codec-rank", "8 applies to a codec that takes a rank "
+                                                                    "(lowrank); --codec 'dense' has none"),
+        (["--mix1-codec", "lowrank"], "--mix1-codec", "'lowrank' keeps per-worker state"),
     ]
     for i, (extra, option, message) in enumerate(cases):
         out = tmp_path / f"out-{option.strip('-')}"
@@ -743,9 +749,10 @@ def test_bundled_corpus_is_packaged():
 
 def test_the_memory_estimate_brackets_the_measured_default_worker():
     # measured here (torch 2.13 CPU): a default worker (4 x 128 GPT, batch 16 x 128, 742 k tokens) peaked at
-    # 719 MiB resident; the estimate may be above it, not below, and not far above
+    # 847 MiB resident (summary.json's peak_rss_bytes; it keeps its pair groups for reuse); the estimate may be
+    # above it, not below, and not far above
     est = estimate_worker_bytes(TrainConfig(), 2048, 742_256) / 2**20
-    assert 719 < est < 1.25 * 719
+    assert 847 < est < 1.25 * 847
 
 
 def test_the_display_shows_a_bar_on_a_terminal_and_plain_lines_elsewhere():

@@ -71,8 +71,8 @@ def test_one_stage_ignores_microbatches_as_before():
 
 @pytest.mark.parametrize("argv, option", [
     (["--workers", "4", "--stages", "3"], "--stages must divide workers"),
-    (["--workers", "8", "--stages", "8", "--n-layer", "4"], "--stages must be <= n_layer=4"),
-    (["--workers", "4", "--stages", "2", "--batch-size", "6"], "--microbatches must divide batch_size=6"),
+    (["--workers", "8", "--stages", "8", "--n-layer", "4"], "--stages must be <= --n-layer 4"),
+    (["--workers", "4", "--stages", "2", "--batch-size", "6"], "--microbatches must divide --batch-size 6"),
     (["--stages", "0"], "--stages must be an int >= 1, got 0"),
 ])
 def test_the_command_refuses_bad_stages_in_one_line(argv, option, tmp_path, monkeypatch, capsys):

@@ -187,7 +187,7 @@ def _new(**kwargs):
         ({"seed": "x"}, TypeError, r"seed must be an int"),
         ({"nesterov": "yes"}, TypeError, r"nesterov must be a bool"),
         ({"codec": (shared := BF16()), "mix1_codec": shared}, ValueError, r"must be different Codec instances"),
-        ({"mix1_codec": "lowrank"}, ValueError, r"mix1_codec=LowRank\(.*per-worker state.*'dense'.*'bf16'.*'int8'"),
+        ({"mix1_codec": "lowrank"}, ValueError, r"mix1_codec='lowrank' keeps per-worker state.*'bf16'.*'int8'"),
         ({"mix1_codec": LowRank(rank=2, error_feedback=False)}, ValueError, r"mix1_codec=.*not safe for parameters"),
         ({"mix_momentum": 1}, TypeError, r"mix_momentum must be a bool"),
     ],

@@ -315,11 +315,15 @@ def resolve_codec(codec: Codec | str | None, *, default: str, argument: str, ran
 
     Raises:
         TypeError: ``codec`` is neither None, a string nor a Codec.
-        ValueError: unknown codec name (the message lists the known ones).
+        ValueError: unknown codec name (the message lists the known ones); ``rank`` given with a Codec instance
+            or with the name of a codec that takes no rank.
     """
     if codec is None:
         codec = default
     if isinstance(codec, Codec):
+        if rank is not None:
+            raise ValueError(f"codec_rank={rank} applies to a codec given by name; {argument}={codec!r} is an "
+                             "instance: give it its rank instead")
         return codec
     if isinstance(codec, str):
         by_name = {cls.name: cls for cls in _REGISTRY.values()}
@@ -327,7 +331,11 @@ def resolve_codec(codec: Codec | str | None, *, default: str, argument: str, ran
             raise ValueError(f"{argument}={codec!r} is not a known codec; use one of {sorted(by_name)} "
                              "or a fgdiloco.factor.Codec instance")
         cls = by_name[codec.lower()]
-        if rank is not None and "rank" in inspect.signature(cls).parameters:
-            return cls(rank=rank)
-        return cls()
+        if rank is None:
+            return cls()
+        if "rank" not in inspect.signature(cls).parameters:
+            ranked = sorted(c.name for c in _REGISTRY.values() if "rank" in inspect.signature(c).parameters)
+            raise ValueError(f"codec_rank={rank} applies to a codec that takes a rank ({', '.join(ranked)}); "
+                             f"{argument}={codec!r} has none")
+        return cls(rank=rank)
     raise TypeError(f"{argument} must be None, a codec name or a fgdiloco.factor.Codec, got {type(codec).__name__}")

@@ -281,13 +281,13 @@ class Mixer:
             back = membership.returned(peer)
             view = membership.prefix(peer, "")
         except Exception as err:  # noqa: BLE001 - a store we cannot reach: the exchange finds out
-            log.debug("fgdiloco %s: could not check rank %d's incarnation: %s", self.name, peer, err)
+            log.debug("fgdiloco %s: could not check rank %d's incarnation: %s", self._who, peer, err)
             return False
         seen = self._views.get(peer)
         self._views[peer] = view
         back = back or (seen is not None and seen != view)
         if back:
-            log.warning("fgdiloco %s: rank %d came back (a new process); pairing with it again", self.name, peer)
+            log.warning("fgdiloco %s: rank %d came back (a new process); pairing with it again", self._who, peer)
             self.health.success(peer)
         return back
 
@@ -299,7 +299,7 @@ class Mixer:
             try:
                 self.transport.discard(peer, key=key)
             except Exception as err:  # noqa: BLE001 - a store we cannot reach: the peer times out as before
-                log.debug("fgdiloco %s: could not discard %s: %s", self.name, key, err)
+                log.debug("fgdiloco %s: could not discard %s: %s", self._who, key, err)
 
     def run(self, values: Sequence[torch.Tensor], outer_round: int) -> MixResult:
         """Mix ``values`` (fp32 tensors) in outer round ``outer_round``. The inputs are never modified in place;
@@ -327,17 +327,23 @@ class Mixer:
         res.seconds = time.perf_counter() - t0
         return res
 
+    @property
+    def _who(self) -> str:
+        """How this worker's mixer names itself in the log: ``"rank 3 mix2"`` (the log lines of every worker of a
+        job may end up side by side)."""
+        return self.name if self.transport is None else f"rank {self.transport.rank} {self.name}"
+
     def _fail(self, res: MixResult, msg: str, outcome: str = "keeping own value for this gossip round") -> None:
         res.failed += 1
         res.errors.append(msg)
-        log.warning("fgdiloco %s: %s; %s", self.name, msg, outcome)
+        log.warning("fgdiloco %s: %s; %s", self._who, msg, outcome)
 
     def _skip(self, res: MixResult, msg: str) -> None:
         """An exchange not made (the peer left, declined, is absent or ahead; or back-off): no timeout was spent,
         so it is counted apart from failures and logged at INFO."""
         res.skipped += 1
         res.errors.append(msg)
-        log.info("fgdiloco %s: %s; keeping own value for this gossip round", self.name, msg)
+        log.info("fgdiloco %s: %s; keeping own value for this gossip round", self._who, msg)
 
     # ------------------------------------------------------------------ pair
     def _pair(self, res: MixResult, peer: int, idx: int, outer_round: int) -> float:
@@ -398,7 +404,7 @@ class Mixer:
             try:
                 self.transport.decline(peer, key=key)  # the peer's open() fails at once instead of timing out
             except Exception as err:  # noqa: BLE001 - a store we cannot reach: the peer times out as before
-                log.debug("fgdiloco %s: could not post a skip notice for %s: %s", self.name, key, err)
+                log.debug("fgdiloco %s: could not post a skip notice for %s: %s", self._who, key, err)
             return f"rank {peer} skipped (back-off after failures)"
         return None
 
@@ -447,7 +453,7 @@ class Mixer:
         try:
             self.transport.abandon(peer, key=key, suspect=reset and not isinstance(err, PeerDeclined))
         except Exception as e:  # noqa: BLE001 - a store we cannot reach: the peer times out as before
-            log.debug("fgdiloco %s: could not abandon %s: %s", self.name, key, e)
+            log.debug("fgdiloco %s: could not abandon %s: %s", self._who, key, e)
         if isinstance(err, PeerDeclined):  # PeerLeft is a PeerDeclined: no back-off needed either
             self._skip(res, str(err))
             return
@@ -548,7 +554,7 @@ class Mixer:
                 res.norm_sq = [sq_norm(v) for v in values]
                 return True
             res.resynced = True
-            log.warning("fgdiloco %s: replicas differ (digests %s): averaging them exactly", self.name,
+            log.warning("fgdiloco %s: replicas differ (digests %s): averaging them exactly", self._who,
                         sorted({d.hex() for d in digests}))
         if self.resync or self.codec.lossless:
             mean = self._all_reduce_mean(res, values, key)

@@ -49,6 +49,7 @@ JOB: dict[str, Any] = {
 _LOWRANK: dict[str, Any] = {"topology": "random", "codec": "lowrank", "codec_rank": 4, "mix2_rounds": 1}
 #: ... with tau = 4 and Mix1 without the outer momentum: what the tau = 4 methods vary
 _T4_NM: dict[str, Any] = {**_LOWRANK, "overlap_steps": 4, "mix_momentum": False}
+_T4_NM_DENSE: dict[str, Any] = {**_T4_NM, "codec": "dense", "codec_rank": None}  # a dense codec has no rank
 
 #: method name -> TrainConfig overrides
 METHODS: dict[str, dict[str, Any]] = {
@@ -87,8 +88,8 @@ METHODS: dict[str, dict[str, Any]] = {
     # dense pseudo-gradients: torchft-diloco-t4's algorithm in this library), and the exponential two-round setting
     # with dense pseudo-gradients (the exact average of four workers' Mix2, Mix1 still gossiped)
     "fg-exact-t4": {"topology": "allreduce", "codec": "dense", "mix2_rounds": 1, "overlap_steps": 4},
-    "fg-dense-t4-nm-m2-exp": {**_T4_NM, "codec": "dense", "topology": "exponential", "mix2_rounds": 2},
-    "fg-dense-t4-nm-m2-exp-m1fp32": {**_T4_NM, "codec": "dense", "topology": "exponential", "mix2_rounds": 2,
+    "fg-dense-t4-nm-m2-exp": {**_T4_NM_DENSE, "topology": "exponential", "mix2_rounds": 2},
+    "fg-dense-t4-nm-m2-exp-m1fp32": {**_T4_NM_DENSE, "topology": "exponential", "mix2_rounds": 2,
                                      "mix1_codec": "dense"},
     # FG-DiLoCo with Streaming DiLoCo's fragments (F = 2), its overlap (tau = 2 inner steps) and its merge
     # (alpha = 0.5): the tuning grid of benchmarks.wan --peers (F = 4 does not divide H = 10)

@@ -251,6 +251,7 @@ class TrainConfig:
         if not self.error_feedback and isinstance(self.codec, str) and self.codec.lower() == "lowrank":
             rank = {} if self.codec_rank is None else {"rank": self.codec_rank}
             settings["codec"] = LowRank(**rank, error_feedback=False)
+            settings["codec_rank"] = None  # given to the instance
         return FGDiLoCoConfig(**settings)
 
     # ------------------------------------------------------------------ checks

@@ -62,8 +62,9 @@ __all__ = [
     "usable_cores",
 ]
 
-#: Resident memory of a worker before its model: Python, torch, numpy, tokenizers and a Gloo group.
-WORKER_BASE_BYTES = 410 * 2**20
+#: Resident memory of a worker before its model: Python, torch, numpy, tokenizers, a Gloo group and the pair groups
+#: it keeps for reuse (about 40 MiB of them on 4 workers).
+WORKER_BASE_BYTES = 450 * 2**20
 #: fp32 copies of the parameters a worker holds: weights, gradients, AdamW's two moments, FG-DiLoCo's
 #: round-start snapshot, outer momentum, Mix1 / Mix2 buffers and the codec's error feedback, rounded up.
 PARAM_COPIES = 12
@@ -71,7 +72,8 @@ PARAM_COPIES = 12
 #: backward pass, allocator slack). With it the estimate is 1-13 % above the peak ``ru_maxrss`` measured here
 #: (torch 2.13 CPU, with the pipeline, mesh and heartbeat code loaded): 415 MiB for a 1-layer, 32-wide model
 #: (estimate about 418 MiB); 719 MiB for the default 4-layer, 128-wide model with batch 16 x 128 (estimate
-#: about 810 MiB).
+#: about 810 MiB). Since a worker keeps its pair groups for reuse the default run's peak was 847 MiB (a685d51),
+#: above that estimate: the base grew by 40 MiB.
 MODEL_SLACK = 2.0
 
 
@@ -223,10 +225,12 @@ def preflight(cfg: TrainConfig, status: Callable[[str], Any] | None = None) -> d
     avail = available_memory_bytes()
     if avail is not None and cfg.workers * per_worker > avail:
         fit = max(avail // per_worker, 0)
+        advice = (f"use --workers {fit} or fewer, or a smaller model" if fit else
+                  "not even one worker fits: use a smaller model (--n-layer, --n-embd, --block-size, --batch-size "
+                  "or --vocab-size)")
         raise PreflightError("--workers", f"{cfg.workers} need about {cfg.workers} x {per_worker / 2**20:.0f} MiB "
                                           f"= {cfg.workers * per_worker / 2**30:.1f} GiB of memory, but "
-                                          f"{avail / 2**30:.1f} GiB is free; use --workers {fit} or fewer, or a "
-                                          "smaller model")
+                                          f"{avail / 2**30:.1f} GiB is free; {advice}")
     cache = cache_dir_for(cfg.data, cfg.cache_dir)
     if cfg.tokenizer == "bytes":
         what = f"encoding the text as bytes (cached in {cache})"
