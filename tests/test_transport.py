@@ -146,3 +146,15 @@ def test_a_closed_transport_keeps_no_group(store):
     channels[0].close()  # given back after close: dropped
     assert a.pair_groups.take(1, "mix2/0") is None
     b.close()
+
+
+def test_gloos_errors_are_told_in_one_short_line():
+    from fgdiloco.gossip.transport import gloo_reason
+
+    closed = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
+                          "by peer [10.213.0.3]:40123")
+    assert gloo_reason(closed) == "the peer closed the connection (it is probably dead)"
+    late = RuntimeError("[/x/gloo/transport/tcp/pair.cc:100] Timed out waiting 1000ms for recv operation\nand more")
+    assert gloo_reason(late) == "RuntimeError: Timed out waiting 1000ms for recv operation"
+    assert gloo_reason(RuntimeError("")) == "RuntimeError"
+    assert len(gloo_reason(RuntimeError("x" * 1000))) == len("RuntimeError: ") + 200

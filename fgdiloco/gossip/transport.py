@@ -629,9 +629,22 @@ class _GlooChannel(Channel):
         except ExchangeError:
             raise
         except Exception as err:  # noqa: BLE001 - Gloo raises RuntimeError for a dead or late peer
-            raise ExchangeError(f"exchange {self.key} with rank {self.peer} failed: {type(err).__name__}: "
-                                f"{err}") from err
+            raise ExchangeError(f"exchange {self.key} with rank {self.peer} failed: {gloo_reason(err)}") from err
         return buf.numpy().tobytes()
+
+
+def gloo_reason(err: BaseException) -> str:
+    """Gloo's error in one short line: ``"the peer closed the connection (it is probably dead)"`` for a reset or
+    closed socket, otherwise the first line of its message without Gloo's source location."""
+    text = str(err)
+    if "closed by peer" in text or "reset by peer" in text:
+        return "the peer closed the connection (it is probably dead)"
+    if not text.strip():
+        return type(err).__name__
+    first = text.strip().splitlines()[0]
+    if first.startswith("[") and "] " in first:  # "[/path/to/gloo/transport/tcp/pair.cc:553] Timed out ..."
+        first = first.split("] ", 1)[1]
+    return f"{type(err).__name__}: {first[:200]}"
 
 
 class LocalHub:
