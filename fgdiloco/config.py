@@ -366,18 +366,16 @@ class FGDiLoCoConfig:
             for name in TIMEOUT_FIELDS:
                 if getattr(self, name) == _DEFAULTS[name]:
                     object.__setattr__(self, name, seconds)
+        from .factor import resolve_codec
+
         mix1 = self.mix1_codec
         if isinstance(mix1, str):
-            from .factor import resolve_codec
-
             mix1 = resolve_codec(mix1, default="bf16", argument="mix1_codec")
         if mix1.stateful:
             raise ValueError(f"mix1_codec={self.mix1_codec!r} keeps per-worker state (warm starts or error "
                              "feedback), which is not safe for parameters; use a stateless value codec: 'dense' "
                              "(lossless), 'bf16' (default) or 'int8'")
-        if self.codec_rank is not None:
-            from .factor import resolve_codec
-
+        if self.codec_rank is not None:  # a rank for a codec that takes none is refused here, before anything runs
             resolve_codec(self.codec, default="lowrank", argument="codec", rank=self.codec_rank)
         count = fragment_count(self.fragments)
         if self.sync_every % count:

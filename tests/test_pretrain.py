@@ -749,8 +749,8 @@ def test_bundled_corpus_is_packaged():
 
 def test_the_memory_estimate_brackets_the_measured_default_worker():
     # measured here (torch 2.13 CPU): a default worker (4 x 128 GPT, batch 16 x 128, 742 k tokens) peaked at
-    # 847 MiB resident (summary.json's peak_rss_bytes; it keeps its pair groups for reuse); the estimate may be
-    # above it, not below, and not far above
+    # 847 MiB resident at a685d51 (summary.json's peak_rss_bytes); the estimate may be above it, not below, and
+    # not far above
     est = estimate_worker_bytes(TrainConfig(), 2048, 742_256) / 2**20
     assert 847 < est < 1.25 * 847
 

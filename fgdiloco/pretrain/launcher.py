@@ -62,8 +62,8 @@ __all__ = [
     "usable_cores",
 ]
 
-#: Resident memory of a worker before its model: Python, torch, numpy, tokenizers, a Gloo group and the pair groups
-#: it keeps for reuse (about 40 MiB of them on 4 workers).
+#: Resident memory of a worker before its model: Python, torch, numpy, tokenizers, Gloo groups (the job's and the
+#: pair groups it keeps for reuse).
 WORKER_BASE_BYTES = 450 * 2**20
 #: fp32 copies of the parameters a worker holds: weights, gradients, AdamW's two moments, FG-DiLoCo's
 #: round-start snapshot, outer momentum, Mix1 / Mix2 buffers and the codec's error feedback, rounded up.
@@ -72,8 +72,8 @@ PARAM_COPIES = 12
 #: backward pass, allocator slack). With it the estimate is 1-13 % above the peak ``ru_maxrss`` measured here
 #: (torch 2.13 CPU, with the pipeline, mesh and heartbeat code loaded): 415 MiB for a 1-layer, 32-wide model
 #: (estimate about 418 MiB); 719 MiB for the default 4-layer, 128-wide model with batch 16 x 128 (estimate
-#: about 810 MiB). Since a worker keeps its pair groups for reuse the default run's peak was 847 MiB (a685d51),
-#: above that estimate: the base grew by 40 MiB.
+#: about 810 MiB). At a685d51 the default run peaked at 847 MiB (summary.json's peak_rss_bytes; the causes of the
+#: growth were not separated, kept pair groups being one), so the base went from 410 to 450 MiB: about 884 MiB.
 MODEL_SLACK = 2.0
 
 
