@@ -491,6 +491,7 @@ def run_store(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     try:
         store = SupervisedStore(args.host, args.port)
+        store.ready()
     except (ValueError, RuntimeError) as e:
         print(f"{parser.prog}: error: cannot serve on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2
@@ -515,6 +516,9 @@ def run_launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     except ValueError as e:
         print(f"{parser.prog}: error: {_as_flag(str(e))}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # the gossip store served here could not start
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("[fgdiloco] launch interrupted: stopped the workers", file=sys.stderr)
         return EXIT_INTERRUPTED

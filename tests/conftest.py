@@ -6,9 +6,6 @@ so it goes to DNS). A resolver that drops a query costs glibc's default 5 s time
 meanwhile for every client. The suite opens thousands of connections; ``RES_OPTIONS`` caps each lost query at 1 s
 (the processes the tests start inherit it). docs/faults.md tells users the same.
 
-The suite runs in one process: on two pytest-xdist workers (``-n 2``, the launcher modules' slow tests kept on one
-worker with ``--dist loadgroup``) a fresh-clone run took 17 min 27 s against 11 min 54 s serially, because the
-launcher tests, each several processes, ran 2-3x slower beside the other worker's multi-process tests on 2 cores.
 """
 
 from __future__ import annotations

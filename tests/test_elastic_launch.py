@@ -246,16 +246,22 @@ def test_refused_workers_and_a_store_gone_for_good_end_with_one_line_each_and_re
     e = dict(env, FGDILOCO_MIN_WORKERS="2")  # slot 2 is for the refused worker: do not wait for it
     main = _launch(e, tmp_path, *common, workers=2, store=address, slots=3)
     _wait_for(lambda: _last_round(tmp_path, 1) >= 2, "worker 1's round 2")
-    twin = subprocess.run([sys.executable, "-m", "fgdiloco", "launch", "--store", address, "--slots", "3",
-                           "--first-worker", "1", "--workers", "1", "--max-restarts", "2", SCRIPT, *ARGS, *common],
-                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert twin.returncode == 1, twin.stdout + twin.stderr
-    assert "worker 1 was refused: slot 1 of job 'default' is held by a live worker" in twin.stderr, twin.stderr
-    other = subprocess.run([sys.executable, "-m", "fgdiloco", "launch", "--store", address, "--slots", "3",
-                            "--first-worker", "2", "--workers", "1", "--max-restarts", "2", SCRIPT, *ARGS,
-                            "--n-embd", "48", *common], env=env, cwd=tmp_path, capture_output=True, text=True,
-                           timeout=120)
-    assert other.returncode == 1 and "worker 2 was refused: this worker's model has another" in other.stderr, other
+    # both refused launches at once (they are independent: another slot each)
+    refused = [subprocess.Popen([sys.executable, "-m", "fgdiloco", "launch", "--store", address, "--slots", "3",
+                                 "--first-worker", str(k), "--workers", "1", "--max-restarts", "2", SCRIPT, *ARGS,
+                                 *extra, *common], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+               for k, extra in ((1, []), (2, ["--n-embd", "48"]))]
+    try:
+        (twin_out, twin_err), (other_out, other_err) = [p.communicate(timeout=120) for p in refused]
+    finally:
+        for p in refused:
+            if p.poll() is None:
+                p.kill()
+    assert refused[0].returncode == 1, twin_out + twin_err
+    assert "worker 1 was refused: slot 1 of job 'default' is held by a live worker" in twin_err, twin_err
+    assert refused[1].returncode == 1, other_out + other_err
+    assert "worker 2 was refused: this worker's model has another" in other_err, other_err
     os.killpg(store.pid, signal.SIGKILL)  # the store and its supervisor: gone for good
     store.wait()
     t0 = time.monotonic()

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -190,12 +190,14 @@ def _admit(store: dist.Store, job: str, workers: int, fingerprint: bytes | None,
     return keys
 
 
-def torchrun_command(script: Sequence[str], *, max_restarts: int, monitor_interval: float = 0.5,
+def torchrun_command(script: Sequence[str], *, max_restarts: int, monitor_interval: float = 0.1,
                      life: bool = True, nproc: int = 1) -> list[str]:
     """The command that runs one worker as its own ``torchrun`` job (``--standalone``: a private rendezvous on a
     free port, so the jobs never meet each other's agents) of ``nproc`` processes (a pipeline replica: its stages,
     which fail and restart together). ``life``: through :mod:`fgdiloco.elastic.life`, which counts every life
-    torchrun starts and ends a worker that must stop for good without a restart."""
+    torchrun starts and ends a worker that must stop for good without a restart. ``monitor_interval``: how often
+    (seconds) the agent looks at its processes, so how soon a death is restarted and an end is seen (torchrun's
+    default)."""
     shim = ["-m", "fgdiloco.elastic.life"] if life else []
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={nproc}",
             f"--max-restarts={max_restarts}", f"--monitor-interval={monitor_interval}", *shim, *script]
@@ -220,9 +222,11 @@ def _check_launch(script: Sequence[str], workers: Any, max_restarts: Any, store:
 
 
 def _run_workers(script: Sequence[str], slots: range, base: Mapping[str, str], max_restarts: int,
-                 logs: Path | None, lives_dir: Path, stages: int = 1) -> list[int]:
-    """Start one torchrun job per slot and wait for all of them; their exit codes. A worker that fails for good
-    while others run is named at once. Ctrl-C reaches every agent."""
+                 logs: Path | None, lives_dir: Path, stages: int = 1,
+                 started: Callable[[], Any] | None = None) -> list[int]:
+    """Start one torchrun job per slot (then call ``started``) and wait for all of them; their exit codes. A worker
+    that fails for good while others run is named at once. Ctrl-C (or an error of ``started``) reaches every
+    agent."""
     procs: list[subprocess.Popen[bytes]] = []
     files = []
     try:
@@ -233,6 +237,8 @@ def _run_workers(script: Sequence[str], slots: range, base: Mapping[str, str], m
             cmd = torchrun_command(script, max_restarts=max_restarts, nproc=stages)
             procs.append(subprocess.Popen(cmd, env=env, stdout=out,
                                           stderr=subprocess.STDOUT if out is not None else None))
+        if started is not None:
+            started()
         told: set[int] = set()
         while len(told) < len(procs):
             for k, p in zip(slots, procs):
@@ -245,8 +251,8 @@ def _run_workers(script: Sequence[str], slots: range, base: Mapping[str, str], m
                               file=sys.stderr, flush=True)
             time.sleep(0.2)
         return [p.returncode for p in procs]
-    except KeyboardInterrupt:
-        for p in procs:  # the terminal sent SIGINT to the whole group; make sure every agent hears it
+    except BaseException:
+        for p in procs:  # Ctrl-C: the terminal sent SIGINT to the whole group; make sure every agent hears it
             if p.poll() is None:
                 p.send_signal(signal.SIGINT)
         for p in procs:
@@ -325,6 +331,7 @@ def launch(script: Sequence[str], workers: int, *, max_restarts: int = 3, store:
 
     Raises:
         ValueError: an argument out of range (named), or a script that is not a file.
+        RuntimeError: the gossip store served here could not start (the workers started were stopped).
     """
     slots = _check_launch(script, workers, max_restarts, store, slots, first_worker)
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
@@ -353,7 +360,7 @@ def launch(script: Sequence[str], workers: int, *, max_restarts: int = 3, store:
         workers_range = range(first_worker, first_worker + workers)
         try:
             codes = _run_workers(script, workers_range, base, max_restarts, logs if log_dir is not None else None,
-                                 logs, stages)
+                                 logs, stages, started=served.ready if served is not None else None)
         finally:
             if served is not None:
                 served.close()

@@ -19,11 +19,13 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import re
+import socket
 import subprocess
 import sys
 import threading
-import time
 
+import torch
 import torch.distributed as dist
 
 from ..runtime import Service
@@ -39,6 +41,22 @@ def _check_port(port: object) -> int:
     return port
 
 
+#: Whether TCPStore's libuv backend serves on a socket it is given (``master_listen_fd``): torch 2.8 and later
+#: (pytorch/pytorch#150215). Older versions serve a given socket with the classic backend.
+_LIBUV_TAKES_A_SOCKET = tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2]) >= (2, 8)
+
+
+def _listen(port: int) -> socket.socket:
+    """A listening TCP socket on ``port`` of every interface (IPv6 and IPv4 where the host has both, as TCPStore
+    binds its own). Raises OSError (the port is taken)."""
+    if socket.has_dualstack_ipv6():
+        try:
+            return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True, backlog=4096)
+        except OSError:  # IPv6 present but not usable here: IPv4 only
+            pass
+    return socket.create_server(("", port), backlog=4096)
+
+
 def _address(host: str, port: int) -> str:
     return f"{'localhost' if host in ('0.0.0.0', '::', '') else host}:{port}"
 
@@ -48,14 +66,18 @@ class GossipStore:
     so no worker's death takes it down.
 
     Args:
-        host: interface to listen on (``"0.0.0.0"``: all, for workers on other machines).
+        host: the address the workers are told (``"0.0.0.0"``: all interfaces, told as ``localhost``). TCPStore
+            listens on every interface whatever the host.
         port: TCP port (0: one the OS picks; see :attr:`port`).
+        listen_fd: serve on this listening socket instead of binding ``port`` (its port; :class:`SupervisedStore`
+            binds it once and hands it to every child that serves).
     """
 
-    def __init__(self, host: str = "0.0.0.0", port: int = 0):
+    def __init__(self, host: str = "0.0.0.0", port: int = 0, listen_fd: int | None = None):
         self.host = host
         self.store = dist.TCPStore(host, _check_port(port), is_master=True, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=60), use_libuv=True)
+                                   timeout=datetime.timedelta(seconds=60), master_listen_fd=listen_fd,
+                                   use_libuv=listen_fd is None or _LIBUV_TAKES_A_SOCKET)
         self.port: int = self.store.port
 
     @property
@@ -71,21 +93,28 @@ class GossipStore:
 class SupervisedStore:
     """A gossip store served by a child process that is replaced on the same port when it dies.
 
+    This process binds the port once and keeps the listening socket for the store's whole life; every child that
+    serves is handed that socket, so the address is known at once (workers can start while the first child is
+    still importing ``torch.distributed``: :meth:`ready` waits for it), and a replacement never waits for a dead
+    child's port to be released (a connection made meanwhile waits in the socket's queue instead of being refused).
+
     A *hot standby* waits beside the serving child: a second child that has already imported what a store needs and
-    takes the port over the moment the first one is found dead (checked every :data:`WATCH_SECONDS`); a new standby
-    is then started in the background. A cold restart imports ``torch.distributed`` first, which took 6-10 s on the
-    2-core machine under a chaos job's load (its workers trained without gossip meanwhile); a standby's takeover
-    takes about a tenth of a second. Without a live standby (it died too) the store is restarted cold.
+    takes over the moment the first one is found dead (checked every :data:`WATCH_SECONDS`); a new standby is then
+    started in the background. A cold restart imports ``torch.distributed`` first, which took 6-10 s on the 2-core
+    machine under a chaos job's load (its workers trained without gossip meanwhile); a standby's takeover takes
+    about a tenth of a second. Without a live standby (it died too) the store is restarted cold.
 
     Args:
-        host, port: as :class:`GossipStore` (port 0: the first child picks one; its replacements keep it).
+        host: as :class:`GossipStore` (the address the workers are told).
+        port: TCP port (0: one the OS picks; see :attr:`port`).
 
     Attributes:
         restarts: how many times the store was replaced.
 
     Raises:
         ValueError: ``port`` out of range.
-        RuntimeError: the first child could not serve (the message has its output).
+        RuntimeError: the port is taken (:meth:`ready`: the first child could not serve; the message has its
+            output).
     """
 
     #: Seconds between two looks at the serving child.
@@ -93,19 +122,37 @@ class SupervisedStore:
 
     def __init__(self, host: str = "0.0.0.0", port: int = 0):
         self.host = host
-        self.port = _check_port(port)
+        try:
+            self._socket = _listen(_check_port(port))
+        except OSError as err:
+            raise RuntimeError(f"the gossip store could not serve on {_address(host, port)}: {err}") from None
+        self.port: int = self._socket.getsockname()[1]
         self.restarts = 0
         self._closing = False
         self._lock = threading.Lock()
-        self._child = self._serving(self._spawn(self.port, standby=False))
-        self._standby = self._spawn(self.port, standby=True)
+        self._started = threading.Event()
+        self._failure: RuntimeError | None = None
+        self._child = self._spawn(standby=False)
+        self._standby: subprocess.Popen[str] | None = None
         self._monitor = Service(self._watch, self.WATCH_SECONDS, "store-supervisor")
 
-    def _spawn(self, port: int, *, standby: bool) -> subprocess.Popen[str]:
-        cmd = [sys.executable, "-m", "fgdiloco.elastic.serve", "--host", self.host, "--port", str(port),
-               "--parent", str(os.getpid()), *(["--standby"] if standby else [])]
+    def ready(self, wait: float = 120.0) -> None:
+        """Wait (at most ``wait`` seconds) until the first child serves.
+
+        Raises:
+            RuntimeError: it could not serve (its output), or it did not within ``wait``.
+        """
+        if not self._started.wait(wait):
+            raise RuntimeError(f"the gossip store on {self.address} did not start within {wait:.0f} s")
+        if self._failure is not None:
+            raise self._failure
+
+    def _spawn(self, *, standby: bool) -> subprocess.Popen[str]:
+        fd = self._socket.fileno()
+        cmd = [sys.executable, "-m", "fgdiloco.elastic.serve", "--host", self.host, "--port", str(self.port),
+               "--listen-fd", str(fd), "--parent", str(os.getpid()), *(["--standby"] if standby else [])]
         return subprocess.Popen(cmd, stdin=subprocess.PIPE if standby else subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+                                stderr=subprocess.DEVNULL, text=True, start_new_session=True, pass_fds=(fd,))
 
     def _serving(self, child: subprocess.Popen[str]) -> subprocess.Popen[str]:
         """Wait for ``child``'s ``port N`` (a standby's ``standby`` line first) and return it; raise RuntimeError
@@ -118,10 +165,20 @@ class SupervisedStore:
         if not line.startswith("port "):
             child.kill()
             child.wait()
-            raise RuntimeError(f"the gossip store could not serve on {self.host}:{self.port}: "
-                               f"{line.strip() or 'it died'}")
-        self.port = int(line.split()[1])
+            raise RuntimeError(f"the gossip store could not serve on {self.address}: {line.strip() or 'it died'}")
         return child
+
+    def _first(self) -> None:
+        """The first look: wait (outside the lock, so :meth:`close` can end a child that hangs) for the first
+        child to serve, then start the standby."""
+        try:
+            self._serving(self._child)
+        except RuntimeError as err:
+            self._failure = err
+        with self._lock:
+            if not self._closing and self._failure is None:
+                self._standby = self._spawn(standby=True)
+        self._started.set()
 
     def _take_over(self) -> subprocess.Popen[str] | None:
         """The standby serves now (None: there was none alive, or it could not)."""
@@ -137,18 +194,20 @@ class SupervisedStore:
             return None
 
     def _cold_start(self) -> subprocess.Popen[str] | None:
-        for attempt in range(20):  # the port may be held a moment after the death
+        for attempt in range(3):  # the socket is ours: only a child that fails to start can fail
             try:
-                return self._serving(self._spawn(self.port, standby=False))
+                return self._serving(self._spawn(standby=False))
             except RuntimeError as err:
-                if attempt == 19:
+                if attempt == 2:
                     log.error("fgdiloco: could not restart the gossip store on port %d: %s", self.port, err)
-                time.sleep(0.25)
         return None
 
     def _watch(self) -> None:
+        if not self._started.is_set():
+            self._first()
+            return
         with self._lock:
-            if self._closing or self._child.poll() is None:
+            if self._closing or self._failure is not None or self._child.poll() is None:
                 return
             code = self._child.returncode
             child = self._take_over()
@@ -157,7 +216,7 @@ class SupervisedStore:
             if child is None:
                 return
             self._child = child
-            self._standby = self._spawn(self.port, standby=True)
+            self._standby = self._spawn(standby=True)
             self.restarts += 1
         how = "its standby took over" if warm else "cold: no standby was ready"
         print(f"[fgdiloco] the gossip store on {self.address} died (exit {code}) and was restarted ({how}; "
@@ -178,12 +237,13 @@ class SupervisedStore:
         """Stop serving and stop replacing (the standby ends too)."""
         with self._lock:
             self._closing = True
-            for child in (self._standby, self._child):
-                if child is None or child.poll() is not None:
-                    continue
+            children = [c for c in (self._standby, self._child) if c is not None and c.poll() is None]
+            for child in children:  # both at once: each takes up to half a second to see it
                 child.terminate()
+            for child in children:
                 try:
                     child.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     child.kill()
         self._monitor.stop()
+        self._socket.close()

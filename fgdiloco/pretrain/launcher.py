@@ -652,6 +652,7 @@ class _ElasticRun:
             if on_start is not None:
                 on_start()
             self._start_workers(start_round)
+            self.store.ready()  # its child imported torch beside the workers' agents
             while True:
                 gone = {k for k, p in enumerate(self.procs) if p.poll() is not None}
                 self.pump(gone)
