@@ -45,7 +45,7 @@ def main() -> int:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--listen-fd", type=int, required=True, help="the listening socket to serve on (inherited)")
     p.add_argument("--parent", type=int, required=True)
-    p.add_argument("--standby", action="store_true", help="wait for 'serve' on stdin, then take the port over")
+    p.add_argument("--standby", action="store_true", help="wait for 'serve' on stdin, then serve on the socket")
     a = p.parse_args()
     if a.standby:
         signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -9,9 +9,10 @@ job. ``fgdiloco store``, ``fgdiloco launch`` and ``fgdiloco pretrain`` use the s
 its supervisor: a store never outlives its job (and its workers stop once it has been unreachable for
 ``store_timeout`` seconds).
 
-The child is ``python -m fgdiloco.elastic.serve --host H --port P --parent PID``: it prints ``port N`` once it serves,
-and exits when its parent is gone or on SIGTERM; a second child with ``--standby`` waits beside it, ready to take the
-port over (:mod:`fgdiloco.elastic.serve`).
+The child is ``python -m fgdiloco.elastic.serve --host H --port P --listen-fd FD --parent PID``: it serves on the
+listening socket FD its supervisor bound, prints ``port N`` once it does, and exits when its parent is gone or on
+SIGTERM; a second child with ``--standby`` waits beside it, ready to serve on the same socket
+(:mod:`fgdiloco.elastic.serve`).
 """
 
 from __future__ import annotations
