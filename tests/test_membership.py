@@ -665,6 +665,33 @@ def test_rejoin_adopts_a_live_peers_state_and_round(store):
     a.transport.close(), b.transport.close()
 
 
+def test_a_worker_that_joins_a_job_whose_workers_all_left_says_the_job_ended_and_how_to_start_a_new_one(store,
+                                                                                                      caplog):
+    """A second job launched on a store that served an earlier one under the same name joins that job at its end
+    and trains nothing; the worker says so, and names --job. While a peer is still in the job it says nothing."""
+    a = _wrapper(_transport(store, 0, 3), 1.0)
+    c = _wrapper(_transport(store, 2, 3), 1.0)
+    for w in (a, c):
+        w.transport.membership.publish_round(30)
+    a.close(), a.transport.close()  # finished: its departure notice is on the store
+    b = _wrapper(_transport(store, 1, 3), 5.0)
+    b.load_state_dict(b.state_dict())  # its own state of round 0 (a job that trained nothing yet)
+    b.outer.set(b.outer.theta0, b.outer.momentum, 28)  # close enough to keep its own state
+    with caplog.at_level("WARNING", logger="fgdiloco"):
+        assert b.rejoin() == 30
+    assert "joining the job at outer round 30" in caplog.text
+    assert "has left the gossip store" not in caplog.text  # worker 2 is still in the job
+    c.close(), c.transport.close()
+    b.outer.set(b.outer.theta0, b.outer.momentum, 27)
+    b.transport.membership._joined = False  # as a fresh process of slot 1 would be
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fgdiloco"):
+        assert b.rejoin() == 30
+    assert "every other worker of this job has left the gossip store: the job ended at outer round 30" in (
+        caplog.text) and "--job NAME" in caplog.text
+    b.close(), b.transport.close()
+
+
 def test_rejoin_with_own_state_jumps_to_the_live_round_and_keeps_its_parameters(store):
     """A checkpoint less than ADOPT_ROUNDS old is kept (its rounds are not thrown away), even with a donor there."""
     a = _wrapper(_transport(store, 0, 2), 1.0)

@@ -140,7 +140,21 @@ def _enter(membership: Any, outer: Any, live: int, adopt: bool) -> None:
         return
     log.warning("fgdiloco rank %d: joining the job at outer round %d (this worker was at round %d, step %d of it)",
                 outer.rank, live, outer.round, outer.steps_in_round)
+    if _job_over(membership):
+        log.warning("fgdiloco rank %d: every other worker of this job has left the gossip store: the job ended at "
+                    "outer round %d, and this worker joins it there, with nothing left to train. A new job on a "
+                    "store that served an earlier one needs a name of its own (fgdiloco launch --job NAME, or "
+                    "FGDILOCO_JOB)", outer.rank, live)
     outer.jump(live)
+
+
+def _job_over(membership: Any) -> bool:
+    """Whether every other slot that ever held a worker has posted its departure notice (the job finished, or a
+    new job took the name of one that did). False when the store cannot tell."""
+    try:
+        return bool(membership.slot_rounds(departed=True)) and not membership.peer_rounds()
+    except Exception:  # noqa: BLE001 - a store we cannot reach, a membership without slots: say nothing
+        return False
 
 
 def _adopt(membership: Any, outer: Any) -> bool:
