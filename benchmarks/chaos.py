@@ -94,14 +94,15 @@ def _alive(pid: int | None) -> bool:
         return False
 
 
-def _listening(pid: int) -> bool:
-    """Whether process ``pid`` holds a listening TCP socket (the serving store does; its standby does not)."""
+def _serving(pid: int) -> bool:
+    """Whether process ``pid`` holds an established TCP connection: the serving store child does (the workers'
+    connections), its standby does not. (Both hold the listening socket: the supervisor hands it to both.)"""
     inodes = set()
     for table in ("tcp", "tcp6"):
         with contextlib.suppress(OSError):
             for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
                 fields = line.split()
-                if fields[3] == "0A":  # LISTEN
+                if fields[3] == "01":  # ESTABLISHED
                     inodes.add(fields[9])
     try:
         fds = os.listdir(f"/proc/{pid}/fd")
@@ -126,7 +127,7 @@ def _store_pid(launcher: int) -> int | None:
         except OSError:
             continue
         if b"fgdiloco.elastic.serve" in cmd and b"--parent" in cmd and cmd[cmd.index(b"--parent") + 1] == \
-                str(launcher).encode() and _listening(int(d.name)):
+                str(launcher).encode() and _serving(int(d.name)):
             return int(d.name)
     return None
 

@@ -454,7 +454,7 @@ def add_elastic_parsers(subparsers: Any) -> None:
         description="Serve the gossip store of an elastic job: workers anywhere reach it with "
                     "FGDILOCO_STORE=HOST:PORT. The store runs in a child process that is restarted on the same port "
                     "when it dies (the workers reconnect and re-publish their state). Stop it with Ctrl-C.")
-    p.add_argument("--host", default="0.0.0.0", help="interface to listen on")
+    p.add_argument("--host", default="0.0.0.0", help="interface to listen on (0.0.0.0: every one)")
     p.add_argument("--port", type=int, default=29400, help="TCP port (0: one the OS picks)")
     p.set_defaults(func=run_store, subparser=p)
 
@@ -492,8 +492,11 @@ def run_store(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         store = SupervisedStore(args.host, args.port)
         store.ready()
-    except (ValueError, RuntimeError) as e:
-        print(f"{parser.prog}: error: cannot serve on {args.host}:{args.port}: {e}", file=sys.stderr)
+    except ValueError as e:
+        print(f"{parser.prog}: error: --{e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:  # the port is taken, the host is not this machine's, the child could not serve
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
     print(f"[fgdiloco] gossip store on {args.host}:{store.port}: set FGDILOCO_STORE=<this host>:{store.port} "
           "for the workers; Ctrl-C stops it", flush=True)

@@ -54,7 +54,28 @@ def test_the_address_is_known_at_once_and_a_killed_child_is_replaced_on_the_same
 def test_a_taken_port_is_refused_at_once_naming_it():
     with socket.create_server(("", 0)) as taken:
         port = taken.getsockname()[1]
-        with pytest.raises(RuntimeError, match=f"the gossip store could not serve on localhost:{port}: .*in use"):
+        with pytest.raises(RuntimeError, match=f"^the gossip store cannot listen on 0.0.0.0:{port}: Address already "
+                                               "in use$"):
             SupervisedStore("0.0.0.0", port)
     with pytest.raises(ValueError, match="port must be an int in"):
         SupervisedStore("0.0.0.0", 70000)
+
+
+def _accepts(address: str, port: int) -> bool:
+    try:
+        socket.create_connection((address, port), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+def test_the_host_is_the_interface_listened_on():
+    """127.0.0.1: loopback's one address only (127.0.0.2, also this machine's loopback, is refused); 0.0.0.0:
+    every interface. (The kernel accepts a connection into the socket's queue before any child serves.)"""
+    for host, elsewhere in (("127.0.0.1", False), ("0.0.0.0", True)):
+        store = SupervisedStore(host, 0)
+        try:
+            assert _accepts("127.0.0.1", store.port)
+            assert _accepts("127.0.0.2", store.port) is elsewhere, host
+        finally:
+            store.close()

@@ -47,15 +47,23 @@ def _check_port(port: object) -> int:
 _LIBUV_TAKES_A_SOCKET = tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2]) >= (2, 8)
 
 
-def _listen(port: int) -> socket.socket:
-    """A listening TCP socket on ``port`` of every interface (IPv6 and IPv4 where the host has both, as TCPStore
-    binds its own). Raises OSError (the port is taken)."""
-    if socket.has_dualstack_ipv6():
-        try:
-            return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True, backlog=4096)
-        except OSError:  # IPv6 present but not usable here: IPv4 only
-            pass
-    return socket.create_server(("", port), backlog=4096)
+#: Hosts that mean every interface.
+_ANY_HOST = ("", "0.0.0.0", "::")
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port``: every interface (IPv6 and IPv4 where the host has both) for
+    :data:`_ANY_HOST`, else the first address ``host`` resolves to. Raises OSError (the port is taken, the host is
+    not this machine's)."""
+    if host in _ANY_HOST:
+        if socket.has_dualstack_ipv6():
+            try:
+                return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True, backlog=4096)
+            except OSError:  # IPv6 present but not usable here: IPv4 only
+                pass
+        return socket.create_server(("", port), backlog=4096)
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    return socket.create_server(address, family=family, backlog=4096)
 
 
 def _address(host: str, port: int) -> str:
@@ -106,7 +114,7 @@ class SupervisedStore:
     about a tenth of a second. Without a live standby (it died too) the store is restarted cold.
 
     Args:
-        host: as :class:`GossipStore` (the address the workers are told).
+        host: the interface to listen on (``"0.0.0.0"``: every one, told to the workers as ``localhost``).
         port: TCP port (0: one the OS picks; see :attr:`port`).
 
     Attributes:
@@ -114,8 +122,8 @@ class SupervisedStore:
 
     Raises:
         ValueError: ``port`` out of range.
-        RuntimeError: the port is taken (:meth:`ready`: the first child could not serve; the message has its
-            output).
+        RuntimeError: the port is taken or ``host`` is not this machine's (:meth:`ready`: the first child could
+            not serve; the message has its output).
     """
 
     #: Seconds between two looks at the serving child.
@@ -124,9 +132,11 @@ class SupervisedStore:
     def __init__(self, host: str = "0.0.0.0", port: int = 0):
         self.host = host
         try:
-            self._socket = _listen(_check_port(port))
+            self._socket = _listen(host, _check_port(port))
         except OSError as err:
-            raise RuntimeError(f"the gossip store could not serve on {_address(host, port)}: {err}") from None
+            # create_server's own text names its address tuple; a resolver error has a negative errno
+            why = os.strerror(err.errno) if err.errno and err.errno > 0 else (err.strerror or str(err))
+            raise RuntimeError(f"the gossip store cannot listen on {host or '0.0.0.0'}:{port}: {why}") from None
         self.port: int = self._socket.getsockname()[1]
         self.restarts = 0
         self._closing = False
