@@ -12,7 +12,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from fgdiloco.elastic import SupervisedStore
+from fgdiloco.elastic import StoreNotReached, SupervisedStore, connect
 
 
 def _client(port: int, seconds: float) -> dist.TCPStore:
@@ -79,3 +79,16 @@ def test_the_host_is_the_interface_listened_on():
             assert _accepts("127.0.0.2", store.port) is elsewhere, host
         finally:
             store.close()
+
+
+def test_a_store_address_where_nothing_listens_fails_within_the_timeout_saying_so(caplog):
+    """A wrong store address ends the worker's connect after its timeout with one line, and says once, at the start,
+    that nothing answers there (a TCPStore client alone was silent for 60 s and then slept 64 s more)."""
+    with socket.create_server(("127.0.0.1", 0)) as free:
+        port = free.getsockname()[1]  # closed again: nothing listens there
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="fgdiloco"), pytest.raises(
+            StoreNotReached, match=f"127.0.0.1:{port} .* within 1.5 s: nothing accepts connections there"):
+        connect(f"127.0.0.1:{port}", 0, 1, timeout=1.5)
+    assert time.monotonic() - t0 < 5
+    assert caplog.text.count(f"nothing accepts connections at the gossip store's address 127.0.0.1:{port}") == 1

@@ -21,6 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..config import FGDiLoCoConfig
+from ..gossip.membership import server_accepts
 from ..gossip.transport import DistributedTransport
 from .membership import ElasticMembership, StoreNotReached
 from .store import SupervisedStore
@@ -126,6 +127,7 @@ def connect(address: str | None = None, worker: int | None = None, workers: int 
     """
     s = settings(address, worker, workers, job=job, min_workers=min_workers)
     host, port = str(s["host"]), int(s["port"])
+    _await_store(host, port, timeout)
     try:
         store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout),
                               use_libuv=True)
@@ -188,6 +190,27 @@ def _admit(store: dist.Store, job: str, workers: int, fingerprint: bytes | None,
             raise AdmissionError(message(agreed.decode()))
         keys[key] = mine
     return keys
+
+
+def _await_store(host: str, port: int, timeout: float) -> None:
+    """Wait (at most ``timeout`` seconds) until something accepts connections at ``host:port``, saying once that it
+    does not yet. A TCPStore client would retry on its own, but with a back-off that outlasts its timeout (a wrong
+    address was silent for 60 s, then slept 64 s more) and a c10d warning per attempt.
+
+    Raises:
+        StoreNotReached: nothing accepted within ``timeout``.
+    """
+    t0, said = time.monotonic(), False
+    while not server_accepts(host, port):
+        waited = time.monotonic() - t0
+        if waited >= timeout:
+            raise StoreNotReached(f"cannot reach the gossip store at {host}:{port} (${STORE_ENV}) within "
+                                  f"{timeout:g} s: nothing accepts connections there")
+        if not said:
+            log.warning("fgdiloco: nothing accepts connections at the gossip store's address %s:%d yet; trying for "
+                        "%g s", host, port, timeout)
+            said = True
+        time.sleep(min(0.5, timeout - waited))
 
 
 def torchrun_command(script: Sequence[str], *, max_restarts: int, monitor_interval: float = 0.1,
