@@ -489,13 +489,18 @@ def run_store(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     from .elastic import SupervisedStore
 
+    store = None
     try:
         store = SupervisedStore(args.host, args.port)
         store.ready()
     except ValueError as e:
         print(f"{parser.prog}: error: --{e}", file=sys.stderr)
         return 2
-    except RuntimeError as e:  # the port is taken, the host is not this machine's, the child could not serve
+    except (RuntimeError, KeyboardInterrupt) as e:  # the port is taken, the child could not serve; Ctrl-C
+        if store is not None:
+            store.close()
+        if isinstance(e, KeyboardInterrupt):
+            return EXIT_INTERRUPTED
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
     print(f"[fgdiloco] gossip store on {args.host}:{store.port}: set FGDILOCO_STORE=<this host>:{store.port} "
