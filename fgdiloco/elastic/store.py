@@ -67,7 +67,7 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 def _address(host: str, port: int) -> str:
-    return f"{'localhost' if host in ('0.0.0.0', '::', '') else host}:{port}"
+    return f"{'localhost' if host in _ANY_HOST else host}:{port}"
 
 
 class GossipStore:
