@@ -105,3 +105,25 @@ def test_a_prepared_pair_group_is_used_by_the_exchange_and_a_dead_peer_still_fai
     assert res[0]["got"] == b"from 1" and res[1]["got"] == b"from 0"
     assert res[0]["builds_during_exchange"] == 0 and res[1]["builds_during_exchange"] == 0
     assert any(w in res[0]["dead_peer"] for w in ("timed out", "failed", "did not arrive"))
+
+
+def test_the_launch_line_names_a_worker_whose_first_life_joined_a_job_that_had_ended(tmp_path, capsys):
+    """``fgdiloco launch``'s last line names a worker that joined after every other worker had left (it trained
+    nothing; rejoin notes it in its lives file) and says --job; a restarted worker that met the job's end is not
+    named (its earlier life trained). Neither changes the exit status: both ended cleanly."""
+    from fgdiloco.elastic.launch import _report
+
+    def lives(k: int, *records: dict) -> None:
+        (tmp_path / f"worker{k}.lives").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    lives(0, {"event": "start", "restart": 0})
+    lives(1, {"event": "start", "restart": 0}, {"event": "ended", "round": 30})
+    lives(2, {"event": "start", "restart": 0}, {"event": "start", "restart": 1}, {"event": "ended", "round": 30})
+    assert _report(range(3), [0, 0, 0], tmp_path, 3, "host:1") == 0
+    said = capsys.readouterr().err
+    assert "3 of 3 workers finished, 1 restart(s) (worker 2: 1)" in said
+    assert "workers [1] joined after every other worker had left, at the job's last round (30)" in said
+    assert "--job NAME" in said
+    lives(1, {"event": "start", "restart": 0})
+    _report(range(3), [0, 0, 0], tmp_path, 3, "host:1")
+    assert "joined after" not in capsys.readouterr().err

@@ -665,10 +665,15 @@ def test_rejoin_adopts_a_live_peers_state_and_round(store):
     a.transport.close(), b.transport.close()
 
 
-def test_a_worker_that_joins_a_job_whose_workers_all_left_says_the_job_ended_and_how_to_start_a_new_one(store,
-                                                                                                      caplog):
+def test_a_worker_that_joins_a_job_whose_workers_all_left_says_the_job_ended_and_how_to_start_a_new_one(
+        store, caplog, tmp_path, monkeypatch):
     """A second job launched on a store that served an earlier one under the same name joins that job at its end
-    and trains nothing; the worker says so, and names --job. While a peer is still in the job it says nothing."""
+    and trains nothing; the worker says so, and names --job, and its lives file tells ``fgdiloco launch``. While a
+    peer is still in the job it says nothing."""
+    from fgdiloco.elastic import LIVES_ENV
+
+    lives = tmp_path / "worker1.lives"
+    monkeypatch.setenv(LIVES_ENV, str(lives))
     a = _wrapper(_transport(store, 0, 3), 1.0)
     c = _wrapper(_transport(store, 2, 3), 1.0)
     for w in (a, c):
@@ -681,6 +686,7 @@ def test_a_worker_that_joins_a_job_whose_workers_all_left_says_the_job_ended_and
         assert b.rejoin() == 30
     assert "joining the job at outer round 30" in caplog.text
     assert "has left the gossip store" not in caplog.text  # worker 2 is still in the job
+    assert not lives.exists()
     c.close(), c.transport.close()
     b.outer.set(b.outer.theta0, b.outer.momentum, 27)
     b.transport.membership._joined = False  # as a fresh process of slot 1 would be
@@ -689,6 +695,7 @@ def test_a_worker_that_joins_a_job_whose_workers_all_left_says_the_job_ended_and
         assert b.rejoin() == 30
     assert "every other worker of this job has left the gossip store: the job ended at outer round 30" in (
         caplog.text) and "--job NAME" in caplog.text
+    assert [json.loads(line)["round"] for line in lives.read_text().splitlines()] == [30]
     b.close(), b.transport.close()
 
 

@@ -290,12 +290,18 @@ def _run_workers(script: Sequence[str], slots: range, base: Mapping[str, str], m
                 f.close()
 
 
+def _records(path: Path) -> list[dict[str, Any]]:
+    try:
+        return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return []
+
+
 def lives(path: Path) -> tuple[int, dict[str, Any] | None]:
     """What a worker's lives file (:mod:`fgdiloco.elastic.life`) says: the lives torchrun started, and the
     ``stop`` record of a worker that stopped for good (None: it did not)."""
-    try:
-        records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    except (OSError, ValueError):
+    records = _records(path)
+    if not records:
         return 0, None
     stops = [r for r in records if r.get("event") == "stop"]
     # one line per process of a life (a pipeline replica's stages share one): count torchrun's restart numbers
@@ -321,6 +327,15 @@ def _report(slots: range, codes: list[int], logs: Path, max_restarts: int, addre
     for k, st in sorted(stopped.items()):
         if st.get("kind") != "store":
             parts.append(f"worker {k} was refused: {st.get('reason')}")
+    # a worker whose first life joined after every other worker had left trained nothing (rejoin._note_late); a
+    # restart that arrives at the end of a job its earlier lives trained in is not named
+    ended = {k: recs[-1]["round"] for k in slots if k not in failed and k not in stopped
+             for recs in [_records(logs / f"worker{k}.lives")]
+             if recs and recs[-1].get("event") == "ended" and restarts[k] == 0}
+    if ended:
+        parts.append(f"workers {sorted(ended)} joined after every other worker had left, at the job's last round "
+                     f"({max(ended.values())}), and trained nothing: a new job on a store that served one needs its "
+                     "own --job NAME")
     print("[fgdiloco] launch: " + "; ".join(parts), file=sys.stderr, flush=True)
     return len(failed) + len(stopped)
 
