@@ -688,15 +688,23 @@ def test_a_worker_that_joins_a_job_whose_workers_all_left_says_the_job_ended_and
     assert "has left the gossip store" not in caplog.text  # worker 2 is still in the job
     assert not lives.exists()
     c.close(), c.transport.close()
-    b.outer.set(b.outer.theta0, b.outer.momentum, 27)
-    b.transport.membership._joined = False  # as a fresh process of slot 1 would be
+    assert b.transport.membership.ended() is None  # worker 1 is still in the job
+    b.close(), b.transport.close()  # the last to leave: it says that the job ended
+    # a second job under the same name: two new workers, and one has taken its slot when the other joins (it counts
+    # as in the job: by the slots alone the job has not ended)
+    d = _wrapper(_transport(store, 0, 3), 1.0)
+    e = _wrapper(_transport(store, 1, 3), 5.0)
+    e.load_state_dict(e.state_dict())
+    e.outer.set(e.outer.theta0, e.outer.momentum, 27)
+    assert e.transport.membership.ended() is not None and 0 in e.transport.membership.peer_rounds()
     caplog.clear()
     with caplog.at_level("WARNING", logger="fgdiloco"):
-        assert b.rejoin() == 30
+        assert e.rejoin() == 30
     assert "every other worker of this job has left the gossip store: the job ended at outer round 30" in (
         caplog.text) and "--job NAME" in caplog.text
     assert [json.loads(line)["round"] for line in lives.read_text().splitlines()] == [30]
-    b.close(), b.transport.close()
+    for w in (d, e):
+        w.close(), w.transport.close()
 
 
 def test_rejoin_with_own_state_jumps_to_the_live_round_and_keeps_its_parameters(store):

@@ -444,6 +444,27 @@ class ElasticMembership(StoreMembership):
 
         rejoin(self, outer, agree)
 
+    def leave(self) -> None:
+        super().leave()
+        # the last worker to leave says that the job ended, and at which round: a worker that joins it later trains
+        # nothing and is told so (rejoin). Each posts its notice before it looks, so of two that leave together at
+        # least one sees the other's. Another slot's worker that died without a notice keeps it unsaid.
+        try:
+            if not self.slot_rounds(departed=False):
+                with self.stores.lease() as store:
+                    store.set(self._ended_key, str(self.round_now))
+        except Exception as err:  # noqa: BLE001 - a store we cannot reach: left unsaid, as by a worker that died
+            log.debug("fgdiloco rank %d: could not say that the job ended: %s", self.rank, err)
+
+    @property
+    def _ended_key(self) -> str:
+        return f"{self.namespace}/ended"
+
+    def ended(self) -> int | None:
+        """The outer round at which every worker of the job had left (the last to leave posted it), or None."""
+        with self.stores.lease() as store:
+            return int(store.get(self._ended_key)) if store.check([self._ended_key]) else None
+
     def close(self) -> None:
         self._source = None
         super().close()

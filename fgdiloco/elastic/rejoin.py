@@ -169,9 +169,13 @@ def _note_late(live: int) -> None:
 
 
 def _job_over(membership: Any) -> bool:
-    """Whether every other slot that ever held a worker has posted its departure notice (the job finished, or a
-    new job took the name of one that did). False when the store cannot tell."""
+    """Whether the job had ended: its last worker left (and said so), or every other slot that ever held a worker
+    has posted its departure notice. The first holds when another new worker has already taken a slot of the ended
+    job (it then counts as in the job: two workers of a second job under a finished job's name, started together,
+    each saw the other there). False when the store cannot tell."""
     try:
+        if membership.ended() is not None:
+            return True
         return bool(membership.slot_rounds(departed=True)) and not membership.peer_rounds()
     except Exception:  # noqa: BLE001 - a store we cannot reach, a membership without slots: say nothing
         return False
