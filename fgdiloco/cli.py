@@ -1,7 +1,7 @@
 """The ``fgdiloco`` console command.
 
 ``fgdiloco pretrain``: pretrain a small GPT on real text with Factored Gossip DiLoCo on local worker processes
-(defaults: 4 workers on the bundled public-domain corpus, about 4 minutes on 2 CPU cores). Everything that can be
+(defaults: 4 workers on the bundled public-domain corpus, about 3 minutes on 2 CPU cores). Everything that can be
 checked is checked before a worker starts (exit status 2, one line naming the option); a failed worker is reported
 in one line (exit 1) with its traceback kept under ``--out/logs``; Ctrl-C stops the workers, summarises the rounds
 done and exits with 130.
@@ -105,7 +105,7 @@ def add_pretrain_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "one death ends the job). Writes run.json, "
                     "metrics.jsonl (one JSON row per evaluation), summary.json, loss.png and logs/ to --out; an "
                     "elastic run also config.json (what --resume continues), the workers' reports (workers/) and "
-                    "checkpoints/. With no arguments it trains on the bundled public-domain corpus in about 4 "
+                    "checkpoints/. With no arguments it trains on the bundled public-domain corpus in about 3 "
                     "minutes on 2 CPU cores. The outer-loop, gossip and deadline options are the settings of "
                     "fgdiloco.FGDiLoCoConfig with the library's defaults, unless the option says why not: so this "
                     f"run uses the {lib.codec!r} codec over the {d.topology!r} topology unless told otherwise. "
@@ -471,7 +471,9 @@ def add_elastic_parsers(subparsers: Any) -> None:
     p.add_argument("--slots", type=int, default=None,
                    help="the job's worker slots (default: first-worker + workers; more leaves room to join)")
     p.add_argument("--first-worker", type=int, default=0, help="slot of the first worker started here")
-    p.add_argument("--job", default=None, help="the job's name on the store (several jobs may share one)")
+    p.add_argument("--job", default=None,
+                   help="the job's name on the store (several jobs may share one; a new job on a store that served "
+                        "one needs a name of its own) (default: 'default', or $FGDILOCO_JOB)")
     p.add_argument("--log-dir", default=None, help="write worker k's output to LOG_DIR/worker<k>.log")
     p.add_argument("--resume", action="store_true",
                    help="set FGDILOCO_RESUME=1 for the workers: a script that keeps checkpoints continues from them "

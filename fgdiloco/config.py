@@ -239,9 +239,12 @@ def _topology_kind() -> type:
     return Topology
 
 
-def setting(default: Any, check: Check, help: str, *, unit: str = "", group: str = "outer loop") -> Any:
-    """A field of :class:`FGDiLoCoConfig`: its default, check, help text, unit and group, written once."""
-    return field(default=default, metadata={"check": check, "help": help, "unit": unit, "group": group})
+def setting(default: Any, check: Check, help: str, *, unit: str = "", group: str = "outer loop",
+            flag_help: str | None = None) -> Any:
+    """A field of :class:`FGDiLoCoConfig`: its default, check, help text, unit and group, written once;
+    ``flag_help``: the help of its command-line flag where that takes less than the library (names, not objects)."""
+    return field(default=default, metadata={"check": check, "help": help, "unit": unit, "group": group,
+                                            "flag_help": flag_help or help})
 
 
 #: The deadlines ``timeout=`` sets (see the module docstring).
@@ -329,13 +332,17 @@ class FGDiLoCoConfig:
                               "Mix1's codec (a stateless value codec)", group="gossip")
     mix_momentum: bool = setting(True, Flag(), "Mix1 also carries the outer momentum buffers", group="gossip")
     fragments: Any = setting(1, Fragments(), "F: fragments of the model with staggered outer rounds, one every H/F "
-                             "steps (Streaming DiLoCo); a list gives the fragments themselves")
+                             "steps (Streaming DiLoCo); a list gives the fragments themselves",
+                             flag_help="F: fragments of the model with staggered outer rounds, one every H/F steps "
+                                       "(Streaming DiLoCo)")
     overlap_steps: int = setting(0, Count(0, "inner steps"), "τ: a fragment's Mix2 starts this many inner steps "
                                  "before its outer step; the inner steps go on meanwhile (< H/F)", unit="steps")
     merge_alpha: float = setting(0.0, Number(0.0, 1.0, low_ok=True, high_ok=True), "α: after the outer step a "
                                  "fragment becomes α·local + (1 − α)·outer (Streaming DiLoCo's merge)")
     outer_optimizer: Any = setting(None, OuterOptimizerCheck(), "the outer optimizer: None (SGD with Nesterov "
-                                   "momentum), 'sgd', 'adam', 'adamw', or a callable params -> torch.optim.Optimizer")
+                                   "momentum), 'sgd', 'adam', 'adamw', or a callable params -> torch.optim.Optimizer",
+                                   flag_help="the outer optimizer: 'nesterov' (SGD with Nesterov momentum, the "
+                                             "default), 'sgd', 'adam' or 'adamw'")
     seed: int = setting(0, Integer("all 64 bits count"), "seed of the random gossip schedules (equal on all "
                         "workers)", group="gossip")
     # deadlines
@@ -475,7 +482,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, defaults: Mapping[str, Any
         g = groups.setdefault(m["group"], parser.add_argument_group(title))
         default = defaults.get(f.name, f.default)
         kw: dict[str, Any] = {"dest": f.name, "default": default,
-                              "help": m["help"] + (f"; {notes[f.name]}" if f.name in notes else "")}
+                              "help": m["flag_help"] + (f"; {notes[f.name]}" if f.name in notes else "")}
         if hasattr(check, "names"):
             kw["choices"] = check.names()
         elif isinstance(check, Flag):

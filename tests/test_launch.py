@@ -127,3 +127,19 @@ def test_the_launch_line_names_a_worker_whose_first_life_joined_a_job_that_had_e
     lives(1, {"event": "start", "restart": 0})
     _report(range(3), [0, 0, 0], tmp_path, 3, "host:1")
     assert "joined after" not in capsys.readouterr().err
+
+
+def test_the_launch_line_tells_a_store_never_reached_from_one_lost(tmp_path, capsys):
+    """A worker that stopped because it never reached the gossip store (a wrong --store, a store not started) is told
+    apart from one that lost it: the first is asked to check the address, the second to continue with --resume."""
+    from fgdiloco.elastic.launch import _report
+
+    for k, reached in ((0, True), (1, False)):
+        (tmp_path / f"worker{k}.lives").write_text(json.dumps({"event": "start", "restart": 0}) + "\n" + json.dumps(
+            {"event": "stop", "kind": "store", "reason": "...", "reached": reached}) + "\n")
+    assert _report(range(2), [0, 0], tmp_path, 3, "host:1") == 2
+    said = capsys.readouterr().err
+    assert "0 of 2 workers finished" in said
+    assert "workers [0] stopped: the gossip store at host:1 was out of reach for too long (continue with --resume)" \
+        in said
+    assert "workers [1] stopped: they could not reach the gossip store at host:1 (is it running there?" in said

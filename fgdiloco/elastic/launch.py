@@ -320,10 +320,14 @@ def _report(slots: range, codes: list[int], logs: Path, max_restarts: int, addre
                 else "")]
     if failed:
         parts.append(f"workers {failed} failed for good (after {max_restarts} restarts each; see their logs)")
-    gone = sorted(k for k, st in stopped.items() if st.get("kind") == "store")
+    gone = sorted(k for k, st in stopped.items() if st.get("kind") == "store" and st.get("reached", True))
     if gone:
         parts.append(f"workers {gone} stopped: the gossip store at {address} was out of reach for too long "
                      "(continue with --resume)")
+    unreached = sorted(k for k, st in stopped.items() if st.get("kind") == "store" and not st.get("reached", True))
+    if unreached:
+        parts.append(f"workers {unreached} stopped: they could not reach the gossip store at {address} (is it "
+                     "running there? see --store; a job that had begun continues with --resume)")
     for k, st in sorted(stopped.items()):
         if st.get("kind") != "store":
             parts.append(f"worker {k} was refused: {st.get('reason')}")

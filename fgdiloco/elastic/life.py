@@ -63,14 +63,16 @@ def main() -> int:
         if done.code not in (None, 0):
             raise
     except Exception as err:
-        from . import AdmissionError, SlotTaken, StoreUnreachable
+        from . import AdmissionError, SlotTaken, StoreNotReached, StoreUnreachable
 
         if not isinstance(err, (StoreUnreachable, SlotTaken, AdmissionError)):
             raise
         kind = next(name for cls, name in ((StoreUnreachable, "store"), (SlotTaken, "slot"),
                                            (AdmissionError, "refused")) if isinstance(err, cls))
         print(f"[fgdiloco] worker stopped: {err}", file=sys.stderr, flush=True)
-        _note({"event": "stop", "kind": kind, "reason": str(err), "time": time.time()})
+        # "reached": false for a store this life never reached (a wrong address, a store not started)
+        _note({"event": "stop", "kind": kind, "reason": str(err), "reached": not isinstance(err, StoreNotReached),
+               "time": time.time()})
     _leave_without_teardown()
     return 0
 
