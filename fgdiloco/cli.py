@@ -222,9 +222,9 @@ class _Display:
                                      TextColumn("ETA"), TimeRemainingColumn(), console=self.console,
                                      transient=True)
             self.progress.start()
-            self.task = self.progress.add_task(f"starting {workers} workers", total=rounds)
+            self.task = self.progress.add_task(f"starting {_count(workers, 'worker')}", total=rounds)
         else:
-            self.say(f"starting {workers} workers (each imports torch and loads the cached tokens) ...")
+            self.say(f"starting {_count(workers, 'worker')} (each imports torch and loads the cached tokens) ...")
 
     def row(self, row: dict[str, Any]) -> None:
         from .pretrain.results import format_round
@@ -258,8 +258,8 @@ def run_pretrain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
               else f"Factored Gossip DiLoCo ({cfg.topology}, codec {cfg.codec})")
     shape = (f" ({cfg.replicas} replicas x {cfg.stages} stages, {cfg.microbatches} microbatches)"
              if cfg.stages > 1 else "")
-    display.say(f"pretrain: {cfg.workers} workers{shape} x {cfg.steps} steps ({cfg.rounds} rounds of H = "
-                f"{cfg.sync_every}), "
+    display.say(f"pretrain: {_count(cfg.workers, 'worker')}{shape} x {cfg.steps} steps "
+                f"({_count(cfg.rounds, 'round')} of H = {cfg.sync_every}), "
                 f"{method}; data: {cfg.data or 'bundled corpus'} ({found['tokens']:,} tokens, vocabulary "
                 f"{found['vocab_size']}); out: {out}")
     return _launch_pretrain(cfg, out, args.resume, parser.prog, display)
@@ -380,7 +380,7 @@ def _summary_text(s: dict[str, Any], out: Path, elapsed: float) -> str:
         f"[fgdiloco] done in {fmt_duration(elapsed)}:",
         f"  held-out loss   {s['initial_eval_loss']:.3f} -> {s['final_eval_loss']:.3f} nats/token "
         f"(mean over replicas {s['final_eval_loss_mean']:.3f}; unigram baseline {s['unigram_loss']:.3f})",
-        f"  tokens          {s['tokens'] / 1e6:.2f}M in {s['train_seconds']:.1f} s of training: "
+        f"  tokens          {_tokens(s['tokens'])} in {s['train_seconds']:.1f} s of training: "
         f"{s['tokens_per_second']:,.0f} tokens/s, all workers, evaluation excluded "
         f"(set-up {s['setup_seconds']:.1f} s)",
         f"  utilisation     {util} of round time computing   sent {fmt_bytes(s['bytes_sent_per_worker'])} per "
@@ -533,6 +533,16 @@ def run_launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         print("[fgdiloco] launch interrupted: stopped the workers", file=sys.stderr)
         return EXIT_INTERRUPTED
     return 1 if failed else 0  # launch() said which
+
+
+def _count(n: int, noun: str) -> str:
+    """``"1 worker"``, ``"4 workers"``."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _tokens(n: float) -> str:
+    """A token count for the summary: ``"1.97M"``, or the count itself below 100,000 (``"3,072"``)."""
+    return f"{n / 1e6:.2f}M" if n >= 100_000 else f"{n:,.0f}"
 
 
 def _as_flag(message: str) -> str:
