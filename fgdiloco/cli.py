@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import difflib
 import importlib.util
 import re
@@ -178,6 +179,7 @@ class _Display:
 
         self.quiet = quiet
         self.console = console or Console(highlight=False, soft_wrap=True)
+        self.console.on_broken_pipe = self._closed  # type: ignore[method-assign]
         self.err = err or Console(stderr=True, highlight=False, soft_wrap=True)
         self.live = self.console.is_terminal and not quiet
         self.progress: Any = None
@@ -189,6 +191,17 @@ class _Display:
         if not self.quiet:
             (self.progress.console if self.progress is not None else self.console).print(
                 f"[fgdiloco] {text}", markup=False, highlight=False)
+
+    def _closed(self) -> None:
+        """The standard output is a pipe whose reader has gone (``| head``): say so once on stderr, print nothing
+        more there, and train on (rich's own handling exits with status 1, which stopped the workers)."""
+        import os
+
+        # later writes, and the flush at exit, go nowhere
+        os.dup2(os.open(os.devnull, os.O_WRONLY), self.console.file.fileno())
+        self.quiet = self.console.quiet = True
+        self.err.print("[fgdiloco] the standard output was closed; training on (the results are written as always)",
+                       markup=False)
 
     def warn(self, text: str) -> None:
         self.err.print(f"[fgdiloco] warning: {text}", markup=False)
@@ -279,9 +292,12 @@ def _prepare_pretrain(args: argparse.Namespace, prog: str, display: _Display) ->
                 raise PreflightError("--resume", "needs an elastic run (FG-DiLoCo with a gossip topology); "
                                                  f"the run in {out} has no checkpoints")
         else:
-            out, note = choose_output(args.out if args.out is not None else TrainConfig().out,
-                                      explicit=args.out is not None, overwrite=args.overwrite)
-            cfg = TrainConfig.from_arguments(args, out=str(out))
+            asked = args.out if args.out is not None else TrainConfig().out
+            cfg = TrainConfig.from_arguments(args, out=str(asked))
+            with contextlib.suppress(FileNotFoundError):  # preflight says it, naming --data
+                cfg.validate()  # a bad option is said before a taken folder
+            out, note = choose_output(asked, explicit=args.out is not None, overwrite=args.overwrite)
+            cfg = dataclasses.replace(cfg, out=str(out))
         found = preflight(cfg, status=display.status)
     except PreflightError as e:
         return _refuse(prog, str(e))

@@ -755,6 +755,27 @@ def test_the_memory_estimate_brackets_the_measured_default_worker():
     assert 847 < est < 1.25 * 847
 
 
+def test_a_closed_output_pipe_is_said_once_on_stderr_and_the_display_goes_on_silently():
+    """``fgdiloco pretrain | head``: once the reader has gone, the lines go nowhere and the run trains on (rich's
+    own handling raised SystemExit(1) from the launcher's row callback, which stopped the workers)."""
+    import io
+
+    from rich.console import Console
+
+    from fgdiloco.cli import _Display
+
+    r, w = os.pipe()
+    os.close(r)  # the reader has gone
+    err = io.StringIO()
+    with open(w, "w") as out:
+        d = _Display(False, console=Console(file=out), err=Console(file=err))
+        d.say("one")  # raises nothing
+        d.say("two")
+        d.console.print("the summary")
+        out.flush()
+    assert d.quiet and err.getvalue().count("the standard output was closed; training on") == 1
+
+
 def test_the_display_shows_a_bar_on_a_terminal_and_plain_lines_elsewhere():
     import io
 
