@@ -288,6 +288,10 @@ def _prepare_pretrain(args: argparse.Namespace, prog: str, display: _Display) ->
         if args.resume:
             cfg, out = _resume_config(args)
             note = None
+            done = _finished(out, cfg)
+            if done is not None:  # said even with --quiet: it is the run's end
+                display.console.print(f"[fgdiloco] {done}", markup=False, highlight=False)
+                return 0
             if not cfg.elastic:
                 raise PreflightError("--resume", "needs an elastic run (FG-DiLoCo with a gossip topology); "
                                                  f"the run in {out} has no checkpoints")
@@ -309,6 +313,22 @@ def _prepare_pretrain(args: argparse.Namespace, prog: str, display: _Display) ->
     if args.overwrite and not args.resume:
         clear_outputs(out)
     return cfg, out, found, note
+
+
+def _finished(out: Path, cfg: Any) -> str | None:
+    """What to say when ``--resume`` finds the run in ``out`` finished (every planned round, neither interrupted nor
+    stopped by --max-seconds): there is nothing to continue. None otherwise."""
+    import json
+
+    try:
+        s = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if s.get("run_id") != cfg.run_id or s.get("interrupted") or s.get("stopped_early") \
+            or s.get("rounds") != cfg.rounds:
+        return None
+    return (f"the run in {out} already finished its {_count(cfg.rounds, 'round')} (held-out loss "
+            f"{s['final_eval_loss']:.3f}); nothing to continue")
 
 
 def _refuse(prog: str, message: str) -> int:

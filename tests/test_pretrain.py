@@ -810,3 +810,22 @@ def test_the_display_shows_a_bar_on_a_terminal_and_plain_lines_elsewhere():
     d.start_workers(4, 12, 240)
     d.row(row1)
     assert quiet.getvalue() == ""
+
+
+def test_resume_of_a_finished_run_has_nothing_to_continue(tmp_path):
+    """``--resume`` of a run whose summary says it trained every planned round (not interrupted, not stopped by
+    --max-seconds) starts nothing; anything else is continued."""
+    from fgdiloco.cli import _finished
+    from fgdiloco.pretrain.config import TrainConfig
+
+    cfg = TrainConfig(run_id="abc", steps=24, sync_every=3)
+    assert _finished(tmp_path, cfg) is None  # no summary: a stopped run
+    done = {"run_id": "abc", "interrupted": False, "stopped_early": False, "rounds": 8, "final_eval_loss": 4.5}
+    for change, finished in (({}, True), ({"interrupted": True}, False), ({"stopped_early": True}, False),
+                             ({"rounds": 5}, False), ({"run_id": "other"}, False)):
+        (tmp_path / "summary.json").write_text(json.dumps({**done, **change}))
+        said = _finished(tmp_path, cfg)
+        assert (said is not None) is finished, change
+    (tmp_path / "summary.json").write_text(json.dumps(done))
+    assert _finished(tmp_path, cfg) == f"the run in {tmp_path} already finished its 8 rounds (held-out loss 4.500); " \
+                                       "nothing to continue"

@@ -191,6 +191,11 @@ def test_resume_continues_a_stopped_run_from_every_workers_checkpoint(tmp_path, 
     for r in range(low + 1):  # the rows up to the checkpoints are the first run's
         assert rows[r]["eval_loss"] == before[r]["eval_loss"]
     assert rows[-1]["eval_loss"] < rows[low]["eval_loss"]
+    capsys.readouterr()
+    # the run is finished: --resume says so and starts nothing
+    assert main(["pretrain", "--resume", "--out", str(out), *common]) == 0
+    assert "already finished its 8 rounds" in capsys.readouterr().out
+    assert json.loads((out / "summary.json").read_text()) == summary
 
 
 def _write(path: Path, *events: dict) -> None:
