@@ -585,6 +585,7 @@ def _as_flag(message: str) -> str:
     """``"max_restarts must be ..."`` -> ``"--max-restarts must be ..."`` (for ``fgdiloco launch``'s options)."""
     head, _, rest = message.partition(" ")
     flags = {"workers", "max_restarts", "store", "slots", "first_worker", "job"}
+    rest = rest.replace("first_worker + workers", "--first-worker + --workers")
     return f"--{head.replace('_', '-')} {rest}" if head in flags else message
 
 

@@ -818,7 +818,8 @@ def test_launch_and_store_refuse_bad_options_with_one_line(capsys):
     for argv, text in ((["launch", "--workers", "0", "x.py"], "--workers must be an int >= 1, got 0"),
                        (["launch", "--workers", "2"], "script must name the worker's script"),
                        (["launch", "--store", "nohost", "x.py"], "--store must be HOST:PORT"),
-                       (["launch", "--slots", "1", "--workers", "2", "x.py"], "--slots must be an int >= "),
+                       (["launch", "--slots", "1", "--workers", "2", "x.py"],
+                        "--slots must be an int >= --first-worker + --workers = 2, got 1"),
                        (["launch", "--workers", "2", "no_such_script.py"], "'no_such_script.py' is not a file"),
                        (["store", "--port", "99999"], "port must be an int in [0, 65536)")):
         assert main(argv) == 2

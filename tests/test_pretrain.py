@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import json
 import math
@@ -726,6 +727,9 @@ def test_preflight_checks_memory_and_warns_about_cores(tmp_path, monkeypatch):
     monkeypatch.setattr(launcher, "available_memory_bytes", lambda: 3 * per + 2**20)
     found = launcher.preflight(cfg)
     assert found["warnings"] and "3 workers share 2 CPU cores" in found["warnings"][0]
+    assert not [w for w in found["warnings"] if "outer round of" in w]
+    short = dataclasses.replace(cfg, steps=cfg.sync_every - 1)  # fewer steps than one round: said, not refused
+    assert f"the run is one outer round of {short.steps} steps" in launcher.preflight(short)["warnings"][-1]
     assert found["tokens"] > 100_000 and found["vocab_size"] == 384
     assert found["worker_bytes"] == per
     said: list[str] = []

@@ -257,6 +257,9 @@ def preflight(cfg: TrainConfig, status: Callable[[str], Any] | None = None) -> d
     if cfg.workers > cores:
         warnings.append(f"{cfg.workers} workers share {cores} CPU core{'s' if cores > 1 else ''} (one thread "
                         f"each): every step takes about {cfg.workers / cores:.1f}x longer than with a core each")
+    if cfg.steps < cfg.round_steps:
+        warnings.append(f"--steps {cfg.steps} is fewer than the {cfg.round_steps} inner steps of an outer round "
+                        f"(--sync-every {cfg.sync_every}): the run is one outer round of {cfg.steps} steps")
     return {"chars": len(text), "tokens": int(tokens.numel()), "train_tokens": int(train.numel()),
             "val_tokens": int(val.numel()), "vocab_size": tok.vocab_size, "cache_dir": str(cache),
             "worker_bytes": per_worker, "available_bytes": avail, "cores": cores, "warnings": warnings}
