@@ -690,21 +690,30 @@ def test_a_worker_that_joins_a_job_whose_workers_all_left_says_the_job_ended_and
     c.close(), c.transport.close()
     assert b.transport.membership.ended() is None  # worker 1 is still in the job
     b.close(), b.transport.close()  # the last to leave: it says that the job ended
-    # a second job under the same name: two new workers, and one has taken its slot when the other joins (it counts
-    # as in the job: by the slots alone the job has not ended)
-    d = _wrapper(_transport(store, 0, 3), 1.0)
-    e = _wrapper(_transport(store, 1, 3), 5.0)
-    e.load_state_dict(e.state_dict())
-    e.outer.set(e.outer.theta0, e.outer.momentum, 27)
-    assert e.transport.membership.ended() is not None and 0 in e.transport.membership.peer_rounds()
+    # a second job under the same name: two new workers without state (no checkpoint), and one has taken its slot
+    # when the other joins (it counts as in the job: by the slots alone the job has not ended)
+    d = _transport(store, 0, 3)  # still starting: no state to give
+    e = _wrapper(_transport(store, 1, 3, timeout=1.0), 5.0)
+    assert e.outer.fresh and e.transport.membership.ended() is not None
+    assert 0 in e.transport.membership.peer_rounds()
     caplog.clear()
     with caplog.at_level("WARNING", logger="fgdiloco"):
         assert e.rejoin() == 30
     assert "every other worker of this job has left the gossip store: the job ended at outer round 30" in (
         caplog.text) and "--job NAME" in caplog.text
     assert [json.loads(line)["round"] for line in lives.read_text().splitlines()] == [30]
-    for w in (d, e):
+    # a worker with a checkpoint of its own does not go by the post: after a stop and a --resume on the same store
+    # it continues the job
+    f = _wrapper(_transport(store, 2, 3, timeout=1.0), 5.0)
+    f.load_state_dict(f.state_dict())
+    f.outer.set(f.outer.theta0, f.outer.momentum, 27)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fgdiloco"):
+        assert f.rejoin() == 30
+    assert "joining the job at outer round 30" in caplog.text and "has left the gossip store" not in caplog.text
+    for w in (e, f):
         w.close(), w.transport.close()
+    d.close()
 
 
 def test_rejoin_with_own_state_jumps_to_the_live_round_and_keeps_its_parameters(store):

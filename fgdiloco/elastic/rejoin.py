@@ -140,7 +140,7 @@ def _enter(membership: Any, outer: Any, live: int, adopt: bool) -> None:
         return
     log.warning("fgdiloco rank %d: joining the job at outer round %d (this worker was at round %d, step %d of it)",
                 outer.rank, live, outer.round, outer.steps_in_round)
-    if _job_over(membership):
+    if _job_over(membership, outer.fresh):
         log.warning("fgdiloco rank %d: every other worker of this job has left the gossip store: the job ended at "
                     "outer round %d, and this worker joins it there, with nothing left to train. A new job on a "
                     "store that served an earlier one needs a name of its own (fgdiloco launch --job NAME, or "
@@ -168,13 +168,15 @@ def _note_late(live: int) -> None:
         log.debug("fgdiloco: could not note the late join in %s: %s", path, err)
 
 
-def _job_over(membership: Any) -> bool:
-    """Whether the job had ended: its last worker left (and said so), or every other slot that ever held a worker
-    has posted its departure notice. The first holds when another new worker has already taken a slot of the ended
-    job (it then counts as in the job: two workers of a second job under a finished job's name, started together,
-    each saw the other there). False when the store cannot tell."""
+def _job_over(membership: Any, fresh: bool) -> bool:
+    """Whether the job had ended: every other slot that ever held a worker has posted its departure notice, or, for a
+    ``fresh`` worker (no state of its own), the job's last worker left and said so. The second holds when another
+    new worker has already taken a slot of the ended job (it then counts as in the job: two workers of a second job
+    under a finished job's name, started together, each saw the other there). A worker with a checkpoint does not
+    look at it: after a stop and a ``--resume`` on the same store it continues the job. False when the store cannot
+    tell."""
     try:
-        if membership.ended() is not None:
+        if fresh and membership.ended() is not None:
             return True
         return bool(membership.slot_rounds(departed=True)) and not membership.peer_rounds()
     except Exception:  # noqa: BLE001 - a store we cannot reach, a membership without slots: say nothing
