@@ -300,9 +300,10 @@ def _records(path: Path) -> list[dict[str, Any]]:
 def lives(path: Path) -> tuple[int, dict[str, Any] | None]:
     """What a worker's lives file (:mod:`fgdiloco.elastic.life`) says: the lives torchrun started, and the
     ``stop`` record of a worker that stopped for good (None: it did not)."""
-    records = _records(path)
-    if not records:
-        return 0, None
+    return _lives_of(_records(path))
+
+
+def _lives_of(records: list[dict[str, Any]]) -> tuple[int, dict[str, Any] | None]:
     stops = [r for r in records if r.get("event") == "stop"]
     # one line per process of a life (a pipeline replica's stages share one): count torchrun's restart numbers
     return len({r.get("restart", 0) for r in records if r.get("event") == "start"}), (stops[-1] if stops else None)
@@ -310,7 +311,8 @@ def lives(path: Path) -> tuple[int, dict[str, Any] | None]:
 
 def _report(slots: range, codes: list[int], logs: Path, max_restarts: int, address: str) -> int:
     """Print the launch's last line; returns the number of workers that did not finish."""
-    per = {k: lives(logs / f"worker{k}.lives") for k in slots}
+    records = {k: _records(logs / f"worker{k}.lives") for k in slots}
+    per = {k: _lives_of(r) for k, r in records.items()}
     restarts = {k: max(n - 1, 0) for k, (n, _) in per.items()}
     failed = [k for k, c in zip(slots, codes) if c != 0]
     stopped = {k: stop for k, (_, stop) in per.items() if stop is not None and k not in failed}
@@ -331,11 +333,10 @@ def _report(slots: range, codes: list[int], logs: Path, max_restarts: int, addre
     for k, st in sorted(stopped.items()):
         if st.get("kind") != "store":
             parts.append(f"worker {k} was refused: {st.get('reason')}")
-    # a worker whose first life joined after every other worker had left trained nothing (rejoin._note_late); a
+    # a worker whose first life joined after every other worker had left trained nothing (noted by rejoin._enter); a
     # restart that arrives at the end of a job its earlier lives trained in is not named
-    ended = {k: recs[-1]["round"] for k in slots if k not in failed and k not in stopped
-             for recs in [_records(logs / f"worker{k}.lives")]
-             if recs and recs[-1].get("event") == "ended" and restarts[k] == 0}
+    ended = {k: r[-1]["round"] for k, r in records.items()
+             if r and r[-1].get("event") == "ended" and restarts[k] == 0 and k not in failed and k not in stopped}
     if ended:
         parts.append(f"workers {sorted(ended)} joined after every other worker had left, at the job's last round "
                      f"({max(ended.values())}), and trained nothing: a new job on a store that served one needs its "

@@ -35,7 +35,8 @@ import time
 LIVES_ENV = "FGDILOCO_LIVES_FILE"  # as fgdiloco.elastic.launch sets it (this module is not imported by the package)
 
 
-def _note(record: dict) -> None:
+def note(record: dict) -> None:
+    """Append ``record`` to this worker's lives file (``$FGDILOCO_LIVES_FILE``); nothing without one."""
     path = os.environ.get(LIVES_ENV)
     if path:
         with open(path, "a", encoding="utf-8") as f:
@@ -55,7 +56,7 @@ def _run(argv: list[str]) -> None:
 
 
 def main() -> int:
-    _note({"event": "start", "time": time.time(), "pid": os.getpid(),
+    note({"event": "start", "time": time.time(), "pid": os.getpid(),
            "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))})
     try:
         _run(sys.argv[1:])
@@ -71,7 +72,7 @@ def main() -> int:
                                            (AdmissionError, "refused")) if isinstance(err, cls))
         print(f"[fgdiloco] worker stopped: {err}", file=sys.stderr, flush=True)
         # "reached": false for a store this life never reached (a wrong address, a store not started)
-        _note({"event": "stop", "kind": kind, "reason": str(err), "reached": not isinstance(err, StoreNotReached),
+        note({"event": "stop", "kind": kind, "reason": str(err), "reached": not isinstance(err, StoreNotReached),
                "time": time.time()})
     _leave_without_teardown()
     return 0

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -145,27 +146,13 @@ def _enter(membership: Any, outer: Any, live: int, adopt: bool) -> None:
                     "outer round %d, and this worker joins it there, with nothing left to train. A new job on a "
                     "store that served an earlier one needs a name of its own (fgdiloco launch --job NAME, or "
                     "FGDILOCO_JOB)", outer.rank, live)
-        _note_late(live)
+        from .life import note
+
+        try:  # fgdiloco launch's last line names the worker (its lives file; nothing when not under the launcher)
+            note({"event": "ended", "round": live, "time": time.time()})
+        except OSError as err:
+            log.debug("fgdiloco rank %d: could not note the late join: %s", outer.rank, err)
     outer.jump(live)
-
-
-def _note_late(live: int) -> None:
-    """Tell ``fgdiloco launch`` (the worker's lives file) that this life joined a job whose other workers had all
-    left, at round ``live``: its last line names the worker. Nothing without the file (not under the launcher)."""
-    import json
-    import os
-    import time
-
-    from .launch import LIVES_ENV
-
-    path = os.environ.get(LIVES_ENV)
-    if not path:
-        return
-    try:
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"event": "ended", "round": live, "time": time.time()}) + "\n")
-    except OSError as err:
-        log.debug("fgdiloco: could not note the late join in %s: %s", path, err)
 
 
 def _job_over(membership: Any, fresh: bool) -> bool:
