@@ -10,6 +10,7 @@ import csv
 import datetime
 import inspect
 import os
+import random
 import re
 import signal
 import socket
@@ -37,9 +38,22 @@ SCRIPT = REPO / "tests" / "lightning_scripts" / "train.py"
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for Lightning's rank-0 store, from below the kernel's ephemeral range: a port the kernel hands out
+    (``bind(0)``, every outgoing connection, e.g. the Gloo pairs of tests running beside this one) could be taken
+    again between this check and the store's bind (seen once: EADDRINUSE, and rank 1 then waited out the test's
+    timeout). Only another explicit bind can take a port from below the range."""
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 32768
+    rng = random.Random()  # seeded from the OS: pytest-xdist workers must not draw the same ports
+    for _ in range(100):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port below the ephemeral range ({low})")
 
 
 def _launch(out: Path, *args: str, devices: int, timeout: float = 150.0) -> list[dict]:
