@@ -834,6 +834,15 @@ def test_launch_and_store_refuse_bad_options_with_one_line(capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert text in err and len(err.strip().splitlines()) == 1, err
+    # a non-number is refused by the parser (usage line, then one error line), worded as pretrain's options word it
+    for argv, text in ((["launch", "--workers", "abc", "x.py"], "--workers: expected an int >= 1, got 'abc'"),
+                       (["launch", "--first-worker", "1.5", "x.py"], "--first-worker: expected an int >= 0, got '1.5'"),
+                       (["store", "--port", "x"], "--port: expected an int in [0, 65536), got 'x'")):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert text in err.strip().splitlines()[-1], err
 
 
 def test_the_exit_drain_waits_for_exchanges_started_while_it_waits_and_reports_what_is_left():
