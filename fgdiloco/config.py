@@ -311,8 +311,8 @@ class FGDiLoCoConfig:
     # outer loop
     sync_every: int = setting(50, Count(1, "inner steps H per outer round"), "H: inner steps per outer round",
                               unit="steps")
-    outer_lr: float = setting(0.7, Number(0.0, allowed="a finite number > 0"), "outer learning rate")
-    outer_momentum: float = setting(0.9, Number(0.0, 1.0, low_ok=True, allowed="in [0, 1)"),
+    outer_lr: float = setting(0.7, Number(0.0), "outer learning rate")
+    outer_momentum: float = setting(0.9, Number(0.0, 1.0, low_ok=True),
                                     "outer momentum (Nesterov)")
     nesterov: bool = setting(True, Flag(), "Nesterov momentum for the outer step (ignored without momentum)")
     # gossip

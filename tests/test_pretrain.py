@@ -475,7 +475,8 @@ def test_cli_argument_errors_exit_2_in_one_line_naming_the_option(capsys):
                           (["pretrain", "--steps", "0"], "--steps must be an int >= 1, got 0"),
                           (["pretrain", "--workers", "0"], "--workers must be an int >= 1, got 0"),
                           (["pretrain", "--join-timeout", "0"], "--join-timeout must be seconds > 0"),
-                          (["pretrain", "--outer-momentum", "1.5"], "--outer-momentum must be in [0, 1), got 1.5")):
+                          (["pretrain", "--outer-momentum", "1.5"],
+                           "--outer-momentum must be a number in [0, 1), got 1.5")):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith("fgdiloco pretrain: error: ") and message in err and err.count("\n") == 1, err
