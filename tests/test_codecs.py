@@ -168,6 +168,18 @@ def test_lowrank_sends_1d_tensors_and_small_matrices_dense(quantize):
             assert bool(((a - t).abs() <= _int8_bound(t, 256)).all())
 
 
+def test_lowrank_names_a_rank_at_which_no_matrix_is_factored_and_the_largest_useful_one():
+    like = [torch.empty(16, 16), torch.empty(16), torch.empty(8, 3, 3, 3, device="meta")]  # 16x16 and 8x27
+    # 16x16: r < 256/32 = 8; 8x27: r < 216/35 = 6.2; the largest rank that factors one of them is 7
+    assert LowRank(rank=7).factors_none_of(like) is None
+    note = LowRank(rank=8).factors_none_of(like)
+    assert note.startswith("at codec rank 8 none of the model's matrices (2) is factored") and \
+        note.endswith("use a rank of at most 7"), note
+    assert "at most 3" in LowRank(rank=4, min_compression=2.0).factors_none_of(like)  # 2r(m+n) < mn: r < 4
+    assert LowRank(rank=1).factors_none_of([torch.empty(2, 2)]).endswith("use the dense codec")  # 1x(2+2) >= 4
+    assert LowRank(rank=64).factors_none_of([torch.empty(5), torch.empty(())]) is None  # no matrix: nothing to say
+
+
 @pytest.mark.parametrize("quantize", [None, "bf16", "int8"])
 def test_lowrank_receiver_decodes_bit_identical_tensors(quantize):
     ts = [torch.randn(64, 32), torch.randn(64, 32), torch.randn(32), torch.randn(16, 2, 3, 3),

@@ -731,6 +731,12 @@ def test_preflight_checks_memory_and_warns_about_cores(tmp_path, monkeypatch):
     assert not [w for w in found["warnings"] if "outer round of" in w]
     short = dataclasses.replace(cfg, steps=cfg.sync_every - 1)  # fewer steps than one round: said, not refused
     assert f"the run is one outer round of {short.steps} steps" in launcher.preflight(short)["warnings"][-1]
+    # a --codec-rank that factors none of the model's matrices (the largest, 384 x 32, while r < 29.5) is said once
+    # here, where the user sees it (each worker's wrapper warns into its log)
+    assert not [w for w in found["warnings"] if "--codec-rank" in w]
+    high = launcher.preflight(dataclasses.replace(cfg, codec_rank=30))["warnings"][-1]
+    assert high.startswith("--codec-rank: at codec rank 30 none of the model's matrices") and "at most 29" in high
+    assert not [w for w in launcher.preflight(dataclasses.replace(cfg, codec_rank=29))["warnings"] if "rank" in w]
     assert found["tokens"] > 100_000 and found["vocab_size"] == 384
     assert found["worker_bytes"] == per
     said: list[str] = []

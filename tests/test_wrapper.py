@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import warnings
 
 import pytest
 import torch
@@ -195,6 +196,17 @@ def _new(**kwargs):
 def test_bad_arguments_raise_naming_the_argument(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         _new(**kwargs)
+
+
+def test_a_chosen_rank_that_factors_no_matrix_is_warned_about_and_the_default_rank_on_a_toy_model_is_not():
+    # the model's matrices are 12 x 6 (factored while r < 72 / 18 = 4) and 1 x 12 (never)
+    for chosen in ({"codec_rank": 4}, {"codec": LowRank(rank=8)}):
+        with pytest.warns(UserWarning, match=r"none of the model's matrices \(2\) is factored.*at most 3$"):
+            _new(**chosen)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _new(codec_rank=3)
+        _new()  # the default rank 4 factors nothing here either, but nobody chose it
 
 
 def test_inner_optimizer_must_hold_the_models_parameters():

@@ -209,6 +209,28 @@ class LowRank(Codec):
         # the difference basis's warm starts: peer -> {tensor index: r × n}, least recently used first
         self._pq: OrderedDict[int, dict[int, torch.Tensor]] = OrderedDict()
 
+    def _factors(self, shape: tuple[int, ...]) -> bool:
+        """A tensor of 2 or more dimensions, viewed as ``m × n`` (``m = shape[0]``), is factored when
+        ``min_compression · rank · (m + n) < m · n``; any other tensor is sent whole."""
+        numel = math.prod(shape)
+        if len(shape) < 2 or numel == 0:
+            return False
+        m, n = shape[0], numel // shape[0]
+        return self.min_compression * self.rank * (m + n) < m * n
+
+    def factors_none_of(self, like: Sequence[torch.Tensor]) -> str | None:
+        """What to tell a user whose layout ``like`` (tensors or meta tensors: only shapes are read) has matrices
+        but none that is :meth:`factored` at this rank (each then travels whole, and the codec saves nothing);
+        None when one is factored or none is a matrix."""
+        matrices = [(t.shape[0], t.numel() // t.shape[0]) for t in like if t.dim() >= 2 and t.numel() > 0]
+        if not matrices or any(self.factored(like)):
+            return None
+        useful = max(math.ceil(m * n / (self.min_compression * (m + n))) - 1 for m, n in matrices)
+        return (f"at codec rank {self.rank} none of the model's matrices ({len(matrices)}) is factored (a rank-r "
+                "factorisation of an m x n matrix is smaller only while r·(m + n) < m·n): Mix2 sends each one "
+                "whole, so the low-rank codec "
+                f"saves nothing here; use {f'a rank of at most {useful}' if useful >= 1 else 'the dense codec'}")
+
     def _plan(self, shapes: tuple[tuple[int, ...], ...]) -> _Plan:
         """How a layout travels (cached): tensors grouped by shape, groups in order of first appearance.
 
@@ -221,11 +243,7 @@ class LowRank(Codec):
         factored = []
         for i, shape in enumerate(shapes):
             numel = math.prod(shape)
-            key = (False, 1, numel)
-            if len(shape) >= 2 and numel > 0:
-                m, n = shape[0], numel // shape[0]
-                if self.min_compression * self.rank * (m + n) < m * n:
-                    key = (True, m, n)
+            key = (True, shape[0], numel // shape[0]) if self._factors(shape) else (False, 1, numel)
             factored.append(key[0])
             members.setdefault(key, []).append(i)
         groups = tuple(_Group(f, m, n, self.rank, tuple(idx)) for (f, m, n), idx in members.items())

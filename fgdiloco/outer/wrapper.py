@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,6 +17,7 @@ from .. import runtime
 from ..config import FGDiLoCoConfig
 from ..factor.codec import Codec, resolve_codec
 from ..factor.frame import job_secret, layout_fingerprint
+from ..factor.lowrank import LowRank
 from ..gossip.mix import MAX_RATIO, Mixer, PeerHealth
 from ..gossip.staging import HostStaging
 from ..gossip.topology import Topology, make_topology
@@ -117,6 +119,7 @@ class FGDiLoCo:
         self.inner_optimizer = inner_optimizer
         self.synced = SyncedParameters(model, inner_optimizer)  # raises before anything is built
         self.param_names, self.params = self.synced.names, self.synced.params
+        self._warn_if_rank_factors_nothing()
         layout = [(n, p.shape, p.dtype) for n, p in zip(self.param_names, self.params)]
         if mesh is not None:
             if not isinstance(mesh, ReplicaMesh):
@@ -160,12 +163,20 @@ class FGDiLoCo:
         mix1 = resolve_codec(config.mix1_codec, default=FGDiLoCoConfig.mix1_codec, argument="mix1_codec")
         return codec, mix1
 
+    def _warn_if_rank_factors_nothing(self) -> None:
+        """Warn when the user chose the rank (``codec_rank``, or a ``LowRank`` instance) and no matrix of the model
+        is factored at it: Mix2 then sends every tensor whole, which the run would not otherwise show. (The default
+        rank on a toy model is not worth a warning.)"""
+        chosen = self.config.codec_rank is not None or isinstance(self.config.codec, LowRank)
+        note = self.codec.factors_none_of(self.params) \
+            if chosen and isinstance(self.codec, LowRank) else None
+        if note:
+            warnings.warn(note, UserWarning, stacklevel=3)
+
     @staticmethod
     def check_arguments(**settings: Any) -> dict[str, Any]:
         """Deprecated: ``FGDiLoCoConfig(**settings)`` validates the settings (same errors). Returns them as a
         dict."""
-        import warnings
-
         warnings.warn("FGDiLoCo.check_arguments is deprecated: build a fgdiloco.FGDiLoCoConfig(**settings) "
                       "(it validates the same way)", DeprecationWarning, stacklevel=2)
         return FGDiLoCoConfig.build(**settings).as_dict()

@@ -34,8 +34,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from ..factor.lowrank import LowRank
+from ..outer.wrapper import FGDiLoCo
 from .config import TrainConfig
 from .data import build_tokenizer, cache_dir_for, encode_corpus, load_text, split_tokens, tokenizer_is_cached
+from .recipe import build_model
 from .results import (
     OUTPUT_NAMES,
     checkpoint_path,
@@ -188,6 +193,19 @@ def estimate_worker_bytes(cfg: TrainConfig, vocab_size: int, n_tokens: int) -> i
 
 
 # ---------------------------------------------------------------------------------------------------- preflight
+def _rank_note(cfg: TrainConfig, vocab_size: int) -> str | None:
+    """The low-rank codec's word on a ``--codec-rank`` at which no matrix of the job's model is factored (each
+    worker's wrapper warns too, but into its log): the model's shapes from a copy on the meta device (no memory)."""
+    if cfg.codec_rank is None:
+        return None
+    codec = FGDiLoCo.resolve_codecs(cfg.fgdiloco_config())[0]
+    if not isinstance(codec, LowRank):
+        return None
+    with torch.device("meta"):
+        model = build_model(cfg, vocab_size)
+    return codec.factors_none_of([p for p in model.parameters() if p.requires_grad])
+
+
 def preflight(cfg: TrainConfig, status: Callable[[str], Any] | None = None) -> dict[str, Any]:
     """Check everything a run needs before a worker starts; returns what was found.
 
@@ -260,6 +278,9 @@ def preflight(cfg: TrainConfig, status: Callable[[str], Any] | None = None) -> d
     if cfg.steps < cfg.round_steps:
         warnings.append(f"--steps {cfg.steps} is fewer than the {cfg.round_steps} inner steps of an outer round "
                         f"(--sync-every {cfg.sync_every}): the run is one outer round of {cfg.steps} steps")
+    rank_note = _rank_note(cfg, tok.vocab_size)
+    if rank_note:
+        warnings.append(f"--codec-rank: {rank_note}")
     return {"chars": len(text), "tokens": int(tokens.numel()), "train_tokens": int(train.numel()),
             "val_tokens": int(val.numel()), "vocab_size": tok.vocab_size, "cache_dir": str(cache),
             "worker_bytes": per_worker, "available_bytes": avail, "cores": cores, "warnings": warnings}
