@@ -300,6 +300,8 @@ def test_time_in_paused_is_left_out_of_the_round_clock():
     model = make_model()
     opt = FGDiLoCo(model, torch.optim.AdamW(model.parameters(), lr=INNER_LR), sync_every=2)
     idle = threading.Event()  # never set: wait(t) stands in for t seconds of evaluation
+    with opt.paused():  # before the first round's clock starts (an evaluation at round 0): nothing to leave out
+        idle.wait(0.3)
     rounds = []
     for step in range(6):
         loss_of(model, 0, step).backward()
@@ -312,7 +314,8 @@ def test_time_in_paused_is_left_out_of_the_round_clock():
                 idle.wait(0.3)
         if step == 3:
             idle.wait(0.3)  # the same work, not paused: it counts as the worker's own time
-    after_paused, after_unpaused = rounds[1], rounds[2]
+    first, after_paused, after_unpaused = rounds
+    assert 0 < first.inner_seconds <= first.round_seconds < 0.2, first  # was -0.3 + its steps: the pause subtracted
     assert after_paused.round_seconds < 0.2 and after_paused.inner_seconds < 0.2
     assert after_unpaused.round_seconds >= 0.3 and after_unpaused.inner_seconds >= 0.3
 

@@ -266,7 +266,11 @@ class FGDiLoCo:
         try:
             yield
         finally:
-            self._clock = (self._clock[0], self._clock[1] + time.perf_counter() - t0)
+            # only the part after the round's clock started: a pause before it (the first round starts at its first
+            # step) is outside the round already, and subtracting it made round_seconds negative
+            start, paused = self._clock
+            if start is not None:
+                self._clock = (start, paused + time.perf_counter() - max(t0, start))
 
     # ------------------------------------------------------------------ rounds
     @property
