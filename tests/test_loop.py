@@ -83,6 +83,24 @@ def test_rounds_evaluation_points_and_the_last_shorter_round():
     assert out.train_seconds <= out.wall_seconds and out.clock.excluded_seconds > 0  # evaluation left out
 
 
+def test_a_point_carries_what_the_rounds_since_the_last_one_add_up_to():
+    """With eval_every > 1 a point's own round is not all that was sent: its stats carry the rounds since the last
+    point (bytes and exchanges summed, utilisation averaged), which the rows' totals are made of."""
+
+    class Sending(Every):
+        def round_stats(self, stats):
+            n = self._done + 1  # the round that ends: 1, 2, 3
+            return {"bytes_sent": 100.0 * n, "failed_exchanges": n, "skipped_exchanges": 1, "utilisation": n / 10}
+
+    notes = Notes()
+    Loop(Sending(2), notes, _batches, EVAL, steps=6, sync_every=2, eval_every=2).run()
+    (_, two, three) = notes.points  # rounds 0, 2 and the last, 3
+    assert two.stats["bytes_sent"] == 200.0 and two.stats["bytes_sent_since_point"] == 300.0  # rounds 1 + 2
+    assert two.stats["failed_exchanges_since_point"] == 3 and two.stats["skipped_exchanges_since_point"] == 2
+    assert two.stats["rounds_since_point"] == 2 and two.stats["utilisation_since_point"] == pytest.approx(0.15)
+    assert three.stats["bytes_sent_since_point"] == 300.0 and three.stats["rounds_since_point"] == 1  # round 3
+
+
 def test_train_loss_is_the_mean_of_the_rounds_steps():
     seen: list[float] = []
 

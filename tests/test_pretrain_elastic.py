@@ -255,6 +255,25 @@ def test_the_merger_waits_for_every_worker_or_its_end_and_averages_over_the_repo
     assert m.info == {**info, "_worker": 0}  # worker 0's, once it has started
 
 
+def test_the_merged_totals_count_every_round_when_rows_come_every_other_round(tmp_path):
+    """--eval-every 2: a row carries what the rounds since the worker's last row add up to; the totals are made of
+    those (they counted the rows' own rounds only: half the bytes)."""
+    m = Merger(tmp_path, 2, [0, 2, 4], sync_every=10, steps=40)
+    for k in (0, 1):
+        since = {"bytes_sent_since_point": 300.0, "failed_exchanges_since_point": 3,
+                 "skipped_exchanges_since_point": 1, "rounds_since_point": 2}
+        _write(tmp_path / f"worker{k}.jsonl", _row(k, 0, 6.0),
+               _row(k, 2, 5.0, bytes_sent=200.0, utilisation=0.6, utilisation_since_point=0.5, **since),
+               _row(k, 4, 4.0, bytes_sent=200.0, utilisation=0.9, utilisation_since_point=0.9,
+                    **{**since, "rounds_since_point": 1}))
+    m.read()
+    _, r2, r4 = m.ready()
+    assert r2["bytes_sent_per_worker_so_far"] == 300.0 and r4["bytes_sent_per_worker_so_far"] == 600.0
+    assert r4["failed_exchanges_so_far"] == 12 and r4["skipped_exchanges_so_far"] == 4
+    assert r2["utilisation_so_far"] == pytest.approx(0.5)
+    assert r4["utilisation_so_far"] == pytest.approx((0.5 * 2 + 0.9) / 3)  # a mean over rounds, not over rows
+
+
 @pytest.mark.slow
 def test_help_says_which_methods_are_elastic_and_the_new_options():
     proc = subprocess.run([sys.executable, "-m", "fgdiloco", "pretrain", "--help"], capture_output=True, text=True,

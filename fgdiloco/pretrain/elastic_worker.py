@@ -165,7 +165,8 @@ class StagesAgree(Reporter):
 
     def record(self, point: Any) -> bool:
         if point.stats is not None:  # the replica's row: per-stage means of the gossip and pipeline counters
-            mine = {"bytes_sent": point.stats.get("bytes_sent") or 0.0, **self.sync.metrics()}
+            mine = {"bytes_sent": point.stats.get("bytes_sent") or 0.0,
+                    "bytes_sent_since_point": point.stats.get("bytes_sent_since_point") or 0.0, **self.sync.metrics()}
             t = torch.tensor(list(mine.values()), dtype=torch.float64)
             dist.all_reduce(t, group=self.mesh.pipeline_group)
             means = dict(zip(mine, (t / self.mesh.stages).tolist()))

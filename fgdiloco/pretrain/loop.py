@@ -61,7 +61,9 @@ class Point:
     train_seconds: float  # evaluation and checkpoints excluded
     eval_loss: float | None  # None: deferred (Reporter.evaluated gives it after training)
     train_loss: float | None  # mean over the round's inner steps (None at round 0)
-    stats: dict[str, Any] | None  # the round's (None at round 0)
+    # the round's (None at round 0), and <key>_since_point: bytes_sent, failed_exchanges, skipped_exchanges summed
+    # and utilisation averaged over the rounds since the last point (rounds_since_point of them)
+    stats: dict[str, Any] | None
 
 
 @dataclass(frozen=True)
@@ -284,6 +286,10 @@ class Reporter:
 
 
 # ---------------------------------------------------------------------------------------------------- the loop
+#: Round statistics summed over the rounds between two evaluation points (``<key>_since_point``).
+_SUMMED = ("bytes_sent", "failed_exchanges", "skipped_exchanges")
+
+
 class Loop:
     """``steps`` inner steps of one worker, synchronised by ``sync`` and reported to ``reporter``.
 
@@ -309,6 +315,7 @@ class Loop:
         self.after_step = after_step
         self.stop = False
         self._kept: list[tuple[Point, dict[str, torch.Tensor]]] = []
+        self._since: dict[str, float] = {}  # the rounds since the last evaluation point (see _add_since)
 
     @property
     def rounds(self) -> int:
@@ -357,11 +364,25 @@ class Loop:
 
     def _end_round(self, end: RoundEnd, step: int, train_loss: float) -> int:
         self.reporter.round_done(end)
+        self._add_since(end.stats)
         if end.done % self.eval_every == 0 or step >= self.steps:
-            self._evaluation_point(min(end.done * self.sync_every, self.steps), end.done, train_loss, end.stats)
+            stats = {**end.stats, **{f"{k}_since_point": v for k, v in self._since.items()}}
+            stats["utilisation_since_point"] = stats.pop("utilisation_sum_since_point") / max(self._since["rounds"], 1)
+            self._since = {}
+            self._evaluation_point(min(end.done * self.sync_every, self.steps), end.done, train_loss, stats)
         moved = self._moved()  # the round ended and the worker fell behind: it continues at the live round
         self.sync.end_round(self)
         return step if moved is None else moved
+
+    def _add_since(self, stats: dict[str, Any]) -> None:
+        """Count a round into the totals the next evaluation point carries (``<key>_since_point``: bytes and
+        exchanges summed, utilisation averaged, ``rounds``): with ``eval_every`` > 1 a point's own round is not
+        all that was sent since the last one."""
+        since = self._since
+        for key in _SUMMED:
+            since[key] = since.get(key, 0.0) + float(stats.get(key) or 0.0)
+        since["utilisation_sum"] = since.get("utilisation_sum", 0.0) + float(stats.get("utilisation") or 0.0)
+        since["rounds"] = since.get("rounds", 0) + 1
 
     def _moved(self) -> int | None:
         move = self.sync.moved()

@@ -118,7 +118,17 @@ class Merger:
             return sum(vals) / len(vals) if vals else None
 
         upto = [x for x in self.reports if x["round"] <= r]
-        utils = [x["utilisation"] for x in upto if x["round"] > 0 and x.get("utilisation") is not None]
+
+        def since(x: dict[str, Any], key: str) -> float:
+            """What a row adds to a total: the rounds since the worker's last row (a row of before they were
+            reported: its own round)."""
+            v = x.get(f"{key}_since_point")
+            return float((x.get(key) if v is None else v) or 0.0)
+
+        timed = [(since(x, "utilisation"), x.get("rounds_since_point") or 1) for x in upto
+                 if x["round"] > 0 and x.get("utilisation") is not None]  # (mean, rounds it is the mean of)
+        rounds = sum(n for _, n in timed)
+        util = sum(u * n for u, n in timed)
         clock = max(rs, key=lambda x: x["wall_seconds"])  # the longest-lived clock: a restarted worker's lost time
         step = min(r * self.sync_every, self.steps)
         tokens_per_step = int(self.info["tokens_per_step"]) if self.info else 0
@@ -133,10 +143,10 @@ class Merger:
             row[key] = first.get(key)
             row[f"{key}_mean"] = mean(key)
         row.update(
-            bytes_sent_per_worker_so_far=sum(x.get("bytes_sent") or 0.0 for x in upto) / self.workers,
-            utilisation_so_far=sum(utils) / len(utils) if utils else None,
-            failed_exchanges_so_far=int(sum(x.get("failed_exchanges") or 0 for x in upto)),
-            skipped_exchanges_so_far=int(sum(x.get("skipped_exchanges") or 0 for x in upto)),
+            bytes_sent_per_worker_so_far=sum(since(x, "bytes_sent") for x in upto) / self.workers,
+            utilisation_so_far=util / rounds if rounds else None,
+            failed_exchanges_so_far=int(sum(since(x, "failed_exchanges") for x in upto)),
+            skipped_exchanges_so_far=int(sum(since(x, "skipped_exchanges") for x in upto)),
         )
         for key in _LOWEST_ONLY:
             row[key] = first.get(key)

@@ -35,7 +35,10 @@ EVENTS: dict[str, str] = {
     "start": "a process took the slot: worker, life (torchrun's restart count), pid, time (unix s), info (what "
              "run.json holds), resumed_round (the round of the checkpoint it loaded; None: the seeded init)",
     "row": "an evaluation point: round, step, eval_loss, train_loss, utilisation, bytes_sent, failed_exchanges, "
-           "skipped_exchanges, consensus_distance, mix timings, rejoins (this worker's, all lives), "
+           "skipped_exchanges (the round's), bytes_sent_since_point, failed_exchanges_since_point, "
+           "skipped_exchanges_since_point, utilisation_since_point, rounds_since_point (the rounds since the "
+           "worker's last row: one unless --eval-every > 1), consensus_distance, mix timings, rejoins (this "
+           "worker's, all lives), "
            "peak_rss_bytes, wall_seconds and train_seconds (the worker's clocks, continued from its checkpoint), "
            "time (unix s)",
     "rejoin": "the worker joined the job's live round: round (joined), from_round (where it was), step, life, "
@@ -47,6 +50,9 @@ EVENTS: dict[str, str] = {
 _ROUND_KEYS = ("utilisation", "bytes_sent", "mix2_seconds", "mix1_wait_seconds", "mix1_seconds", "round_seconds",
                "consensus_distance", "failed_exchanges", "skipped_exchanges")
 _PIPELINE_KEYS = ("activation_bytes_sent", "pipeline_bubble")
+#: ... and what the rounds since the last row add up to (a row per ``eval_every`` rounds)
+_SINCE_KEYS = ("bytes_sent_since_point", "failed_exchanges_since_point", "skipped_exchanges_since_point",
+               "utilisation_since_point", "rounds_since_point")
 
 
 def _all_sum(values: list[float], world: int) -> list[float]:
@@ -261,7 +267,7 @@ class WorkerEvents(Reporter):
         row = {"round": point.round, "step": point.step, "wall_seconds": point.wall_seconds,
                "train_seconds": point.train_seconds, "eval_loss": point.eval_loss, "train_loss": point.train_loss,
                "rejoins": self.sync.rejoins_total, "peak_rss_bytes": peak_rss_bytes(), "over_max_seconds": over}
-        for key in _ROUND_KEYS:
+        for key in _ROUND_KEYS + _SINCE_KEYS:
             row[key] = point.stats[key] if point.stats else None
         for key in _PIPELINE_KEYS:  # a pipeline replica's (this life's total, its stages' mean)
             if point.stats and key in point.stats:
