@@ -41,6 +41,35 @@ def test_allreduce_with_the_lossless_codec_is_diloco(tmp_path):
     assert all(r == results[0] for r in results)
 
 
+def _two_jobs(rank: int, world: int, rounds: int) -> list[list[float]]:
+    import torch.distributed as dist
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank builds both, as torch asks
+    job = rank // 2
+    model = make_model(seed=job)  # the two jobs start apart
+    opt = FGDiLoCo(model, torch.optim.AdamW(model.parameters(), lr=INNER_LR), sync_every=H, timeout=20.0,
+                   process_group=groups[job], topology="allreduce", codec="dense")
+    for step in range(rounds * H):
+        loss_of(model, dist.get_rank(groups[job]), step).backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.failed_exchanges_total == 0
+    return [p.detach().flatten().tolist() for p in model.parameters()]
+
+
+def test_exact_diloco_on_two_subgroups_at_once_is_two_separate_diloco_jobs(tmp_path):
+    """Each transport's collective group is built by its members alone: built over the default group's counter
+    (every rank had to call it, in the same order), the two jobs' groups failed to connect or took one name and
+    crossed their collectives (the two jobs then ended with the same weights)."""
+    rounds = 2
+    results = run_ranks(_two_jobs, 4, tmp_path, rounds)
+    for job in (0, 1):
+        want = diloco_reference([make_model(seed=job).state_dict()] * 2, rounds, H)
+        for worker in (0, 1):
+            for g, w in zip(results[2 * job + worker], want[worker]):
+                torch.testing.assert_close(torch.tensor(g).view(w.shape), w, rtol=0, atol=1e-5)
+
+
 def test_gossip_run_trains_and_replicas_differ_between_exact_rounds(tmp_path):
     results = run_ranks(_train, 4, tmp_path, 3, {"topology": "random"})
     assert results[0] != results[1]

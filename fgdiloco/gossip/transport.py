@@ -288,9 +288,9 @@ class DistributedTransport(Transport):
             must construct the transport).
         collective_group: an already-built Gloo group over the same ranks as ``process_group`` to run the exact
             topology's collectives on, instead of building one with ``new_group`` (e.g.
-            :attr:`fgdiloco.ReplicaMesh.gossip_group`). Needed when several transports are built over different
-            groups (one per pipeline stage): ``new_group`` is collective over the whole default group, so calling it
-            for one's own stage only fails to connect.
+            :attr:`fgdiloco.ReplicaMesh.gossip_group`). Without it the members alone build one
+            (``use_local_synchronization``, named after its ranks), so transports over disjoint subgroups may be
+            built at the same time.
         membership: an already-built membership on its own store (an elastic job:
             :class:`fgdiloco.elastic.ElasticMembership`); then there is no process group and no collective, and
             ``process_group``, ``exact`` and ``collective_group`` must be left out.
@@ -346,7 +346,10 @@ class DistributedTransport(Transport):
         dist.broadcast(nonce, src=self.global_ranks[0], group=self.group)
         self._coll = collective_group
         if exact and self.world_size > 1 and collective_group is None:
-            self._coll = dist.new_group(self.global_ranks, backend="gloo",
+            # only the group's members call it (a subgroup's transport is built on its members alone), and the
+            # group's name (its store prefix) comes from its ranks: with the default counter-named groups, two
+            # subgroups built at once took the same name and crossed their collectives
+            self._coll = dist.new_group(self.global_ranks, backend="gloo", use_local_synchronization=True,
                                         timeout=datetime.timedelta(seconds=self.collective_timeout))
         self.membership = StoreMembership(dist.distributed_c10d._get_default_store(), self.rank, self.world_size,
                                           f"fgdiloco/{int(nonce.item()):x}", liveness=d.liveness,
