@@ -238,6 +238,14 @@ def test_a_chosen_rank_that_factors_no_matrix_is_warned_about_and_the_default_ra
         _new()  # the default rank 4 factors nothing here either, but nobody chose it
 
 
+def test_a_setting_is_read_as_an_attribute_and_assigning_it_is_refused():
+    opt = _new(sync_every=3)
+    assert opt.sync_every == 3 and opt.outer_lr == 0.7
+    with pytest.raises(AttributeError, match="sync_every is a setting, fixed at construction"):
+        opt.sync_every = 1  # it only shadowed the setting: the rounds stayed every 3 steps
+    assert opt.sync_every == 3 and opt.config.sync_every == 3
+
+
 def test_inner_optimizer_must_hold_the_models_parameters():
     other = make_model()
     with pytest.raises(ValueError, match=r"inner_optimizer does not hold 4 of the model's trainable parameters"):

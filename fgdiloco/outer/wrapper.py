@@ -35,6 +35,8 @@ from .stats import RoundStats
 __all__ = ["FGDiLoCo"]
 
 _SETTINGS = frozenset(FGDiLoCoConfig.names())
+#: settings whose resolved form the wrapper keeps under the setting's name (a codec instance, the topology, ...)
+_RESOLVED = frozenset({"codec", "mix1_codec", "topology", "fragments"})
 
 
 class FGDiLoCo:
@@ -185,6 +187,13 @@ class FGDiLoCo:
         if name in _SETTINGS and "config" in self.__dict__:  # the settings, read-only: opt.sync_every
             return getattr(self.config, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # an assignment would only shadow the setting: opt.sync_every = 1 read back 1 and changed nothing
+        if name in _SETTINGS and name not in _RESOLVED:
+            raise AttributeError(f"{name} is a setting, fixed at construction: build the wrapper with {name}=... "
+                                 "(or a FGDiLoCoConfig) instead of assigning it")
+        super().__setattr__(name, value)
 
     def _check_elastic(self, elastic: Any, process_group: Any, mesh: Any, transport: Any) -> bool:
         if not isinstance(elastic, bool):
