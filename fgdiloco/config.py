@@ -368,9 +368,9 @@ class FGDiLoCoConfig:
             if value is None and f.default is None:
                 continue
             object.__setattr__(self, f.name, f.metadata["check"](f.name, value))
-        if timeout is not None:
-            seconds = Seconds()("timeout", timeout)
-            for name in TIMEOUT_FIELDS:
+        if timeout is not None:  # the constructor cannot tell a timeout given at its default value from one left
+            seconds = Seconds()("timeout", timeout)  # out: it sets those at their default (build() and replace()
+            for name in TIMEOUT_FIELDS:  # set those not given by name)
                 if getattr(self, name) == _DEFAULTS[name]:
                     object.__setattr__(self, name, seconds)
         from .factor import resolve_codec
@@ -411,8 +411,8 @@ class FGDiLoCoConfig:
         if unknown:
             raise TypeError(f"unknown FGDiLoCo setting(s) {', '.join(unknown)}; the settings are "
                             f"{', '.join(cls.names())} (and timeout=, which sets {', '.join(TIMEOUT_FIELDS)})")
-        if config is None:
-            return cls(**overrides)
+        if config is None:  # through replace: timeout= then sets only the timeouts not given by name
+            return cls().replace(**overrides) if "timeout" in overrides else cls(**overrides)
         return config.replace(**overrides) if overrides else config
 
     def replace(self, **changes: Any) -> FGDiLoCoConfig:

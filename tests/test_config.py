@@ -82,6 +82,9 @@ def test_the_timeout_shorthand_sets_the_four_timeouts_not_given():
     assert (c.join_timeout, c.exchange_timeout) == (3.0, 7.0)
     assert FGDiLoCoConfig().replace(timeout=9, stage_timeout=2).stage_timeout == 2.0
     assert FGDiLoCoConfig.build(timeout=4).collective_timeout == 4.0
+    # a timeout given by name at its default value stays (FGDiLoCo(..., join_timeout=60, timeout=10) builds this way)
+    c = FGDiLoCoConfig.build(join_timeout=60.0, timeout=10)
+    assert (c.join_timeout, c.exchange_timeout) == (60.0, 10.0)
     with pytest.raises(ValueError, match="timeout must be seconds > 0"):
         FGDiLoCoConfig(timeout=-1)
 
