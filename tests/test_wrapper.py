@@ -246,6 +246,27 @@ def test_a_setting_is_read_as_an_attribute_and_assigning_it_is_refused():
     assert opt.sync_every == 3 and opt.config.sync_every == 3
 
 
+def test_one_wrapper_per_inner_optimizer_and_none_steps_after_close():
+    model = make_model()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    first = FGDiLoCo(model, inner, sync_every=2)
+    with pytest.raises(ValueError, match="inner_optimizer already drives another FGDiLoCo"):
+        FGDiLoCo(model, inner, sync_every=3)  # both would count every step: rounds 3 and 2 from 6 steps
+    first.close()
+    with pytest.raises(RuntimeError, match="was closed"):
+        first.step()
+    second = FGDiLoCo(model, inner, sync_every=3)  # the closed one no longer drives it
+    for step in range(6):
+        loss_of(model, 0, step).backward()
+        second.step()
+        second.zero_grad()
+    assert second.round == 2 and first.round == 0
+    with pytest.raises(TypeError, match="transport must be a fgdiloco.gossip.Transport or None, got int"):
+        FGDiLoCo(make_model(), torch.optim.SGD(model.parameters(), lr=0.1), transport=5)
+    with pytest.raises(TypeError, match="process_group must be a torch.distributed.ProcessGroup or None, got str"):
+        FGDiLoCo(make_model(), torch.optim.SGD(model.parameters(), lr=0.1), process_group="world")
+
+
 def test_inner_optimizer_must_hold_the_models_parameters():
     other = make_model()
     with pytest.raises(ValueError, match=r"inner_optimizer does not hold 4 of the model's trainable parameters"):

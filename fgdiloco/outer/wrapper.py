@@ -6,6 +6,7 @@ import contextlib
 import copy
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -35,6 +36,8 @@ from .stats import RoundStats
 __all__ = ["FGDiLoCo"]
 
 _SETTINGS = frozenset(FGDiLoCoConfig.names())
+#: the live wrapper of each inner optimizer (one at a time: both would count its steps)
+_WRAPPERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, FGDiLoCo] = weakref.WeakKeyDictionary()
 #: settings whose resolved form the wrapper keeps under the setting's name (a codec instance, the topology, ...)
 _RESOLVED = frozenset({"codec", "mix1_codec", "topology", "fragments"})
 
@@ -102,7 +105,8 @@ class FGDiLoCo:
     Raises:
         TypeError: an argument of the wrong type, or an unknown setting name.
         ValueError: an argument out of range (the message names it and what is allowed), a stateful
-            ``mix1_codec``, or an inner optimizer that does not hold all of the model's trainable parameters.
+            ``mix1_codec``, an inner optimizer that does not hold all of the model's trainable parameters, or one
+            that another FGDiLoCo drives (not closed).
 
     Construction is collective over the process group: every worker must construct it.
     """
@@ -115,6 +119,15 @@ class FGDiLoCo:
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
             raise TypeError(f"inner_optimizer must be a torch.optim.Optimizer, got {type(inner_optimizer).__name__}")
+        if transport is not None and not isinstance(transport, Transport):
+            raise TypeError(f"transport must be a fgdiloco.gossip.Transport or None, got {type(transport).__name__}")
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, got "
+                            f"{type(process_group).__name__}")
+        other = _WRAPPERS.get(inner_optimizer)
+        if other is not None and other._hooks:
+            raise ValueError("inner_optimizer already drives another FGDiLoCo (each inner step would count in both "
+                             "wrappers' rounds); close() that one first")
         self.config = FGDiLoCoConfig.build(config, **settings)
         self.codec, self.mix1_codec = self.resolve_codecs(self.config)
         self.model = model
@@ -153,6 +166,7 @@ class FGDiLoCo:
         self.out_of_scale_total = 0
         self._hooks = [inner_optimizer.register_step_pre_hook(self._pre_step),
                        inner_optimizer.register_step_post_hook(self._post_step)]
+        _WRAPPERS[inner_optimizer] = self
         runtime.on_exit(self, self.config.exit_wait)
         if self.world_size > 1:
             runtime.on_sigterm(self)
@@ -255,7 +269,14 @@ class FGDiLoCo:
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:
         """One inner optimizer step; every ``sync_every``-th one ends with the outer round. Returns the closure's
-        loss, like ``torch.optim.Optimizer.step``."""
+        loss, like ``torch.optim.Optimizer.step``.
+
+        Raises:
+            RuntimeError: the wrapper was closed (:meth:`close`).
+        """
+        if not self._hooks:
+            raise RuntimeError("this FGDiLoCo was closed (it left the job): it cannot step; build a new one to train "
+                               "on")
         return self.inner_optimizer.step(closure) if closure is not None else self.inner_optimizer.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -473,6 +494,8 @@ class FGDiLoCo:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if _WRAPPERS.get(self.inner_optimizer) is self:
+            del _WRAPPERS[self.inner_optimizer]
         runtime.forget(self)
 
     def leave(self) -> None:
