@@ -830,3 +830,108 @@ def test_the_example_job_builds_stage_embeddings_for_a_split_subspace_model_unle
     assert TrainConfig.from_arguments(p.parse_args([])).stage_embeddings is True
     # a run saved before stage embeddings existed resumes without them
     assert TrainConfig.from_dict({"subspace_rank": 4}).stage_embeddings is False
+
+
+# ------------------------------------------------------------------------------------------------ autocast
+def _docs_stages(seed=0):
+    """The one-process example of docs/pipelines.md (weights moved off their initialisation): two stages of one
+    seeded subspace GPT, their codecs, a batch."""
+    from fgdiloco.pretrain import activation_codec_for, build_stage
+
+    config = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    first, last = (build_stage(config, 2, stage, subspace_rank=4, seed=0, stage_embeddings=True) for stage in (0, 1))
+    _perturb(first, seed=1)
+    _perturb(last, seed=2)  # opens the receiving stage's gate: it reads what crosses
+    idx = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(seed))
+    return first, last, activation_codec_for(first), activation_codec_for(last), idx[:, :-1], idx[:, 1:]
+
+
+def _bf16():
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+def test_the_docs_example_encodes_and_decodes_under_bf16_autocast():
+    """An fp32 stream whose writes were rounded to bf16 under autocast passes the check (the tolerance follows the
+    autocast dtype), c and dL/dc keep the stream's dtype (the bytes sent are those without autocast), and the
+    compressed boundary gives the uncompressed pipeline's logits and gradients to bf16 rounding."""
+    from fgdiloco.pretrain import lm_loss
+
+    first, last, send, receive, x, y = _docs_stages()
+    with _bf16():
+        h = first(x)
+        assert h.dtype == torch.float32 and send.codec.residual(h, x).max_relative > default_tolerance(torch.float32)
+        c = send.encode(h, inputs=x)
+        wire = c.detach().requires_grad_()
+        got, tokens = receive.decode(wire, inputs=x)
+        logits = last(got, tokens)
+        lm_loss(logits, y).backward()
+        projected = send.codec.decompress(*send.codec.compress(h.detach(), x))  # checked under autocast too
+    c.backward(wire.grad)
+    # what crosses: k = 4 fp32 numbers per token each way, as without autocast
+    assert c.dtype == wire.grad.dtype == torch.float32 and c.shape == wire.grad.shape == (8, 16, 4)
+    want = send.wire_bytes(8, 16, torch.float32)
+    assert (c.numel() * c.element_size(), wire.grad.numel() * wire.grad.element_size()) == (want.forward,
+                                                                                             want.backward)
+    # the decoded stream is the projection of the sent one: exact to fp32 rounding, off by the bf16 rounding only
+    assert got.dtype == projected.dtype == torch.float32
+    torch.testing.assert_close(got, projected, rtol=1e-5, atol=1e-6)
+    assert float((got - h).detach().norm() / h.detach().norm()) < 1e-2
+    got_grads = [p.grad.clone() for p in first.parameters()]
+    # the uncompressed pipeline under the same autocast: the stream itself crosses
+    first.zero_grad()
+    last.zero_grad()
+    with _bf16():
+        h = first(x)
+        dense = h.detach().requires_grad_()
+        plain_logits = last(dense, x)
+        lm_loss(plain_logits, y).backward()
+    h.backward(dense.grad)
+    torch.testing.assert_close(logits, plain_logits, rtol=2e-2, atol=2e-2)
+    for g, p in zip(got_grads, first.parameters()):  # what bf16 rounding leaves: 0.3 - 0.9 % of each gradient
+        assert float((g - p.grad).norm()) <= 2e-2 * float(p.grad.norm()) and float(p.grad.norm()) > 0
+
+
+def test_a_stream_outside_the_subspace_is_still_caught_under_bf16_autocast():
+    first, _, send, _, x, _ = _docs_stages()
+    outside = torch.zeros(32)
+    outside[0] = 1.0
+    U = send.codec.basis.U
+    outside -= U @ (U.T @ outside)
+    outside /= outside.norm()
+    with _bf16():
+        h = first(x)
+        send.encode(h, inputs=x)  # in the subspace to bf16 rounding: accepted
+        bad = h.detach().clone()
+        bad[2, 5] += 0.1 * bad[2, 5].norm() * outside  # one token, 10 % of its norm off the subspace
+        with pytest.raises(SubspaceError, match=r"0\.099\d* of ‖x‖.*tolerance 0\.03 for torch\.float32 computed under "
+                                                r"torch\.bfloat16 autocast"):
+            send.encode(bad, inputs=x)
+        with pytest.raises(SubspaceError, match="at boundary_out"):
+            send.codec.boundary_out(bad, x)
+    # a module writing outside span(U): a user's plain projection in the sending stage
+    torch.manual_seed(0)
+    first.h[0].mlp.c_proj = nn.Linear(4 * 32, 32)
+    with _bf16(), pytest.raises(SubspaceError, match="computed under torch.bfloat16 autocast"):
+        send.encode(first(x), inputs=x)
+    # and the model-wide check follows autocast the same way
+    torch.manual_seed(0)
+    m = _perturb(GPT(CFG, subspace_rank=8))
+    idx, _ = _batch()
+    with _bf16():
+        assert max(r.max_relative for _, r in m.check_subspace(idx)) > default_tolerance(torch.float32)
+    m.transformer.h[1].mlp.c_proj = nn.Linear(4 * CFG.n_embd, CFG.n_embd)
+    with _bf16(), pytest.raises(SubspaceError, match="after block 1"):
+        m.check_subspace(idx)
+
+
+def test_compute_dtype_is_the_coarser_of_the_stream_and_autocast():
+    from fgdiloco.pipeline.subspace import compute_dtype
+
+    x32, x64, x16 = torch.zeros(2), torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float16)
+    assert [compute_dtype(t) for t in (x32, x64, x16)] == [torch.float32, torch.float64, torch.float16]
+    with _bf16():
+        # autocast computes fp32 and fp16 in bf16, leaves fp64 alone
+        assert [compute_dtype(t) for t in (x32, x64, x16)] == [torch.bfloat16, torch.float64, torch.bfloat16]
+        with torch.autocast("cpu", enabled=False):
+            assert compute_dtype(x32) == torch.float32
+    assert compute_dtype(torch.zeros(2, device="meta")) == torch.float32  # no autocast on that device type

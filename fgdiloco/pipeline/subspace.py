@@ -34,6 +34,7 @@ with ``torch.int16`` for a vocabulary below 32768).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -53,6 +54,7 @@ __all__ = [
     "SubspaceCodec",
     "SubspaceError",
     "WireBytes",
+    "compute_dtype",
     "default_tolerance",
     "fixed_embedding",
     "orthonormal_basis",
@@ -145,12 +147,49 @@ def default_tolerance(dtype: torch.dtype) -> float:
     2e-7 - 3e-7 for k >= 8; up to 1.6e-5 for k = 1 with large weights, where successive writes along the one
     direction cancel and the rounding of the larger intermediate streams remains. A module writing outside
     ``span(U)`` gave 1e-3 and more. A write smaller than the tolerance is below float noise and is not reported.
+
+    Under bf16 autocast (the same GPT, d = 32 and 128, 4 and 8 blocks, k = 4 to d/8, weights perturbed by 0 to
+    0.3, 2 seeds) the writes are rounded to bfloat16 before they are added to the fp32 stream: 1e-3 - 1e-2 for
+    k >= 4, where a plain ``nn.Linear`` swapped into a block gave 9e-2 and more. For k = 1 with large weights the
+    writes cancel as above and the rounding left can reach 0.3 of ``‖x‖``: pass ``tol`` there. The codec picks
+    the dtype with :func:`compute_dtype`, so an fp32 stream computed under bf16 autocast is held to the bfloat16
+    tolerance.
     """
     if dtype == torch.float64:
         return 1e-10
     if dtype in (torch.float16, torch.bfloat16):
         return 3e-2
     return 1e-4
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast computes in on ``device_type`` now; None when autocast is off there (or the device
+    type has no autocast)."""
+    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The lowest precision that took part in computing ``x`` as far as it can be told where ``x`` is checked:
+    ``x.dtype``, or the autocast dtype when autocast is enabled for ``x``'s device type and is coarser (an fp32
+    residual stream computed under bf16 autocast: ``torch.bfloat16``, since every write into it was rounded to
+    bfloat16 before it was added). What :class:`SubspaceCodec` picks its default tolerance by
+    (:func:`default_tolerance`); a stream computed under autocast but checked outside it reads as ``x.dtype``:
+    pass ``tol`` then. Autocast leaves float64 alone, so a float64 stream reads as float64."""
+    low = _autocast_dtype(x.device.type)
+    if low is None or not x.is_floating_point() or x.dtype == torch.float64 \
+            or torch.finfo(low).eps <= torch.finfo(x.dtype).eps:
+        return x.dtype
+    return low
+
+
+def _exact(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """Autocast off on ``device``'s type: the codec computes in its tensors' own dtype (``c`` in ``x``'s dtype,
+    the sent bytes and the round trip as without autocast), whatever the caller's autocast does to the stages."""
+    if not torch.amp.is_autocast_available(device.type):
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, enabled=False)
 
 
 class Residual(NamedTuple):
@@ -277,12 +316,16 @@ class _BoundaryOut(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, u: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(u)
-        return (x - e) @ u
+        with _exact(x.device):
+            return (x - e) @ u
 
     @staticmethod
     def backward(ctx, grad_c: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
         (u,) = ctx.saved_tensors
-        return (grad_c @ u.T if ctx.needs_input_grad[0] else None), None, None
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        with _exact(grad_c.device):
+            return grad_c @ u.to(grad_c.dtype).T, None, None
 
 
 class _BoundaryIn(torch.autograd.Function):
@@ -291,12 +334,16 @@ class _BoundaryIn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, c: torch.Tensor, u: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(u)
-        return e + c @ u.T
+        with _exact(c.device):
+            return e + c @ u.T
 
     @staticmethod
     def backward(ctx, grad_x: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
         (u,) = ctx.saved_tensors
-        return (grad_x @ u if ctx.needs_input_grad[0] else None), None, None
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        with _exact(grad_x.device):
+            return grad_x @ u.to(grad_x.dtype), None, None
 
 
 class SubspaceCodec:
@@ -314,6 +361,14 @@ class SubspaceCodec:
     ``tol`` (per token, relative to ``‖x_t‖``), so a module writing outside the subspace is caught at the first
     boundary instead of silently degrading the model; the check costs one more ``[..., k] × [k, d]`` product and a
     host synchronisation, ``check=False`` skips it.
+
+    Autocast. Under ``torch.autocast`` (e.g. bf16 on a GPU, ``precision="bf16-mixed"``) the stream stays fp32 but
+    every write into it was rounded to the autocast dtype first, so its out-of-subspace rounding is that dtype's:
+    the default tolerance follows the autocast dtype enabled for ``x``'s device when the check runs
+    (:func:`compute_dtype`; 3e-2 for bf16 instead of 1e-4 for fp32), and a module writing outside ``span(U)``
+    (9e-2 of ``‖x‖`` and more on the example GPT) is still caught. The codec's own products run with autocast off,
+    in ``x``'s dtype: ``c`` (and ``∂L/∂c`` back) keeps ``x``'s dtype, so the bytes sent are those of
+    :meth:`wire_bytes` for that dtype, and ``decompress(compress(x))`` is as exact as without autocast.
 
     The autograd pair, for a model split into stages: the sending stage ends with ``c = boundary_out(x, tokens)``
     and sends ``c``; the receiving stage starts with ``x = boundary_in(c_received, tokens)``. Backward,
@@ -333,7 +388,8 @@ class SubspaceCodec:
         token_embedding: ``E_fix``, ``[vocab, d]`` floating tensor (frozen; e.g. :func:`fixed_embedding`).
         check: measure the out-of-subspace residual in :meth:`compress` / :meth:`boundary_out` and raise above
             ``tol``.
-        tol: the largest allowed ``Residual.max_relative``; None: :func:`default_tolerance` of ``x``'s dtype.
+        tol: the largest allowed ``Residual.max_relative``; None: :func:`default_tolerance` of
+            :func:`compute_dtype` (``x``'s dtype, or the autocast dtype under autocast).
 
     Raises:
         TypeError, ValueError: ``basis`` without orthonormal columns, ``token_embedding`` not a floating
@@ -421,7 +477,7 @@ class SubspaceCodec:
         if self.check:
             self.verify(x, tokens)
         u, e = self._tensors(x)
-        with torch.no_grad():
+        with torch.no_grad(), _exact(x.device):
             return (x.detach() - F.embedding(tokens, e)) @ u, tokens
 
     def decompress(self, c: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -433,19 +489,19 @@ class SubspaceCodec:
         """
         self._check_c(c, tokens)
         u, e = self._tensors(c)
-        with torch.no_grad():
+        with torch.no_grad(), _exact(c.device):
             return F.embedding(tokens, e) + c.detach() @ u.T
 
     def residual(self, x: torch.Tensor, tokens: torch.Tensor) -> Residual:
         """The component of ``x`` outside ``E_fix[tokens] + span(U)`` (computed in float64 for float64 input,
-        float32 otherwise, so the measurement does not add the activations' rounding).
+        float32 otherwise, with autocast off, so the measurement does not add the activations' rounding).
 
         Raises:
             ValueError, TypeError: as :meth:`compress`.
         """
         self._check_x(x, tokens)
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
-        with torch.no_grad():
+        with torch.no_grad(), _exact(x.device):
             xw = x.detach().to(work)
             u = self.basis.U.detach().to(device=x.device, dtype=work)
             y = xw - F.embedding(tokens, self.token_embedding.to(device=x.device, dtype=work))
@@ -458,19 +514,23 @@ class SubspaceCodec:
 
     def verify(self, x: torch.Tensor, tokens: torch.Tensor, where: str = "") -> Residual:
         """:meth:`residual`, raising :class:`SubspaceError` if ``max_relative`` exceeds the tolerance (``tol``, or
-        :func:`default_tolerance` of ``x``'s dtype). ``where`` names the place in the error message.
+        :func:`default_tolerance` of :func:`compute_dtype`: ``x``'s dtype, or the autocast dtype when autocast is
+        on for ``x``'s device and coarser, since the writes into the stream were rounded to it). ``where`` names
+        the place in the error message.
 
         Raises:
             SubspaceError: ``x`` has a component outside the subspace beyond float rounding.
         """
         res = self.residual(x, tokens)
-        tol = self.tol if self.tol is not None else default_tolerance(x.dtype)
+        low = compute_dtype(x)
+        tol = self.tol if self.tol is not None else default_tolerance(low)
         if not res.max_relative <= tol:  # also catches NaN
             at = f" at {where}" if where else ""
+            under = f" computed under {low} autocast" if low != x.dtype else ""
             raise SubspaceError(
                 f"the residual stream{at} is outside E_fix[tokens] + span(U): out-of-subspace component "
                 f"{res.max_relative:.3g} of ‖x‖ (per token, max; {res.relative:.3g} overall) exceeds the tolerance "
-                f"{tol:.3g} for {x.dtype}. Some module writes into the residual stream without going through U "
+                f"{tol:.3g} for {x.dtype}{under}. Some module writes into the residual stream without going through U "
                 f"(every write must be U·(something): use the subspace output projections and embeddings); "
                 f"compressing this stream to k={self.k} coefficients would lose that component")
         return res
@@ -566,12 +626,14 @@ class SubspaceActivationCodec:
     ``encode(x, inputs=idx)`` on a sending stage is ``boundary_out``: ``x`` (``[b, T, d]``) → ``c`` (``[b, T, k]``)
     goes on the wire; ``decode(c, inputs=idx)`` on the receiving stage is ``boundary_in``: ``c`` → ``x``. Backward,
     ``∂L/∂c`` (``[b, T, k]``) travels back. Both directions carry ``b·T·k`` numbers of the activations' dtype per
-    microbatch and boundary (static shapes); ``U`` and ``E_fix`` stay on their stage and never travel.
+    microbatch and boundary (static shapes), under autocast too (the codec computes with autocast off); ``U`` and
+    ``E_fix`` stay on their stage and never travel.
 
     Token ids: ``needs_inputs = True``, so every stage reads the batch's token ids itself (the pipeline passes
     ``Pipeline.step(idx, targets)``'s ``idx`` to the codec on every stage, split into microbatches locally): no ids
     cross a boundary. With ``check`` (default) ``encode`` raises :class:`SubspaceError` when the stream has left
-    ``E_fix[tokens] + span(U)`` by more than float rounding (a module writing outside the subspace); the check is
+    ``E_fix[tokens] + span(U)`` by more than float rounding (a module writing outside the subspace; the rounding of
+    the autocast dtype when autocast is on, see :class:`SubspaceCodec`); the check is
     skipped while the pipeline infers shapes on uninitialised tensors
     (:func:`fgdiloco.pipeline.codec.shape_inference`).
 

@@ -28,6 +28,7 @@ from ..pipeline.subspace import (
     SubspaceBasis,
     SubspaceCodec,
     SubspaceError,
+    compute_dtype,
     default_tolerance,
     fixed_embedding,
     orthonormal_basis,
@@ -384,7 +385,8 @@ class GPT(nn.Module):
         """:meth:`subspace_residual`, raising :class:`~fgdiloco.pipeline.subspace.SubspaceError` naming the first
         constrained boundary (the embedding and the outputs of :attr:`subspace_layers`; the free blocks' outputs
         are not checked) whose out-of-subspace component exceeds ``tol`` (default: float rounding of the stream's
-        dtype), e.g. after a user replaced a projection with a module that writes outside ``span(U)``."""
+        dtype, or of the autocast dtype when called under autocast), e.g. after a user replaced a projection with
+        a module that writes outside ``span(U)``."""
         return _check_subspace(self, idx, tol)
 
     def load_plain(self, plain: GPT | dict[str, torch.Tensor]) -> None:
@@ -652,7 +654,7 @@ def _check_subspace(gpt: GPT, idx: torch.Tensor, tol: float | None) -> list[tupl
     for where, res in found:
         if where.endswith("(free)"):
             continue  # written after the last boundary: never sent, never constrained
-        limit = codec.tol if codec.tol is not None else default_tolerance(gpt.transformer.wte.E_fix.dtype)
+        limit = codec.tol if codec.tol is not None else default_tolerance(compute_dtype(gpt.transformer.wte.E_fix))
         if not res.max_relative <= limit:
             raise SubspaceError(
                 f"the residual stream after {where} is outside E_fix[tokens] + span(U): out-of-subspace component "
