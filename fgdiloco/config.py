@@ -300,8 +300,9 @@ class FGDiLoCoConfig:
         seed: seed of the random gossip schedules (equal on every worker) [0].
 
     Deadlines (seconds; see the module docstring): ``join_timeout`` [60], ``exchange_timeout`` [60], ``liveness``
-    [5], ``collective_timeout`` [60], ``stage_timeout`` [60], ``store_timeout`` [60]; ``timeout=`` sets the first
-    four timeouts at once.
+    [2], ``collective_timeout`` [60], ``stage_timeout`` [60], ``store_timeout`` [60]; ``timeout=`` sets
+    ``join_timeout``, ``exchange_timeout``, ``collective_timeout`` and ``stage_timeout`` at once (those not given by
+    name).
 
     Raises:
         TypeError, ValueError: a field of the wrong type or out of range; the message names the field and what is
