@@ -65,8 +65,10 @@ replica 0), and the metadata and parts also record ``stages``, ``replica`` and `
 weights is skipped. A different number of processes, or of ``pipeline_stages``, is refused with a ``ValueError``.
 With ``S > 1`` ``trainer.validate/test(ckpt_path=PATH)`` also read each rank's own part (rank 0's weights are not
 copied to the other ranks: they hold other stages).
-``LightningModule.load_from_checkpoint(PATH)`` gives rank 0's replica. ``ModelCheckpoint`` removes the parts
-together with ``PATH``; with ``save_last="link"`` the ``last`` link points at ``PATH`` only, so resume from the
+``LightningModule.load_from_checkpoint(PATH)`` gives rank 0's replica. Global rank 0 alone removes checkpoints:
+``PATH`` with its whole ``PATH.replicas`` folder, so ``ModelCheckpoint(save_top_k=k)`` keeps rank 0's top k, each
+complete, also for a metric that differs between ranks (this assumes a checkpoint folder that every rank sees,
+as resuming does). With ``save_last="link"`` the ``last`` link points at ``PATH`` only, so resume from the
 linked file's own path.
 
 ``trainer.validate/test/predict`` (outside ``fit``) use DDP's set-up, which copies rank 0's weights to every
@@ -632,14 +634,26 @@ class _FGDiLoCoStrategyMixin:
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[misc]
 
     def remove_checkpoint(self, filepath: Any) -> None:
+        """Global rank 0 removes the checkpoint ``filepath`` whole: the file and its ``filepath.replicas`` folder
+        (every rank's part, through ``checkpoint_io.remove_checkpoint``); the other ranks remove nothing.
+
+        Rank 0's choice governs because the ranks' choices can differ: ``ModelCheckpoint(save_top_k=k)`` on a
+        metric logged without ``sync_dist`` makes the ranks agree on *whether* to save, but each drops its own
+        k-th best checkpoint, so ranks removing their own parts left checkpoints without a part and parts without a
+        checkpoint. No collective runs here (``ModelCheckpoint`` may call this on some ranks only, e.g. on the
+        rank whose dropped path is the one ``fit`` resumed from). Like ``ModelCheckpoint``, this assumes that
+        rank 0 sees every rank's part: the checkpoint folder is on a filesystem shared by all nodes (resuming needs
+        that too: every rank reads ``filepath``).
+
+        Raises:
+            OSError: from ``checkpoint_io`` when a file or the folder exists but cannot be removed (rank 0).
+        """
         filepath = self._saved_as.pop(os.fspath(filepath), filepath)  # where save_checkpoint really put it
-        super().remove_checkpoint(filepath)  # type: ignore[misc]
         if self.global_rank != 0:  # type: ignore[attr-defined]
-            part = replica_checkpoint_path(filepath, self.global_rank)  # type: ignore[attr-defined]
-            with contextlib.suppress(FileNotFoundError):
-                self.checkpoint_io.remove_checkpoint(part)  # type: ignore[attr-defined]
-        with contextlib.suppress(OSError):  # the last rank to remove its part removes the folder
-            os.rmdir(os.path.dirname(replica_checkpoint_path(filepath, 1)))
+            return
+        super().remove_checkpoint(filepath)  # type: ignore[misc]
+        self.checkpoint_io.remove_checkpoint(  # type: ignore[attr-defined]
+            os.path.dirname(replica_checkpoint_path(filepath, 1)))  # the folder with every rank's part
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Read ``checkpoint_path``; when fitting, swap in this rank's own replica from its part (rank >= 1) and keep

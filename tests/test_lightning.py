@@ -272,6 +272,32 @@ def test_epoch_end_checkpoints_are_complete_when_the_ranks_epochs_differ_in_leng
     assert again[0]["global_step"] == 36 and again[1]["global_step"] == 24 + 9
 
 
+@pytest.mark.parametrize("name", ["{step}", "{step}-{val_loss:.2f}"])
+@pytest.mark.slow
+def test_top_k_checkpoints_on_a_per_rank_metric_stay_complete_and_resumable(tmp_path, name):
+    """ModelCheckpoint(monitor="val_loss", save_top_k=2) on a val_loss logged without sync_dist: the ranks agree on
+    *whether* to save (Lightning reduces that decision) but each picks its own worst checkpoint to delete. Rank 0's
+    choice must govern: at epoch 2 rank 0 (0.1, 2, 0.5) drops step=12 and rank 1 (2, 1, 0.5) would drop step=6;
+    each checkpoint left must have every rank's part, no part may outlive its checkpoint, and rank 0's best
+    (step=6) resumes. With "{val_loss:.2f}" in the name the ranks also name each checkpoint differently."""
+    ckpt = tmp_path / "ckpt"
+    # 96 samples / (2 ranks x 8) = 6 steps per epoch: validations (and checkpoints) at steps 6, 12 and 18
+    ranks = _launch(tmp_path / "run", "--samples", "96", "--sync-every", "3", "--max-epochs", "3", "--ckpt-dir",
+                    str(ckpt), "--ckpt-name", name, "--top-k", "2", "--val-losses", "0.1,2,0.5/2,1,0.5", devices=2)
+    rank0_kept = [Path(p).name for p in ranks[0]["best_k_models"]]
+    steps = [n.removesuffix(".ckpt").split("-")[0] for n in rank0_kept]
+    assert steps == ["step=18", "step=6"], rank0_kept  # rank 0's top 2 (0.5 and 0.1)
+    assert sorted(p.name for p in ckpt.glob("*.ckpt")) == rank0_kept
+    assert sorted(p.name for p in ckpt.glob("*.replicas")) == [f"{n}.replicas" for n in rank0_kept]  # no orphans
+    for n in rank0_kept:
+        assert [p.name for p in (ckpt / f"{n}.replicas").iterdir()] == ["rank1.pt"]
+    best = ranks[0]["best_model_path"]
+    assert Path(best).name.startswith("step=6") and Path(replica_checkpoint_path(best, 1)).is_file()
+    again = _launch(tmp_path / "again", "--samples", "96", "--sync-every", "3", "--max-epochs", "4", "--resume", best,
+                    devices=2)
+    assert [rank["global_step"] for rank in again] == [24, 24]
+
+
 @pytest.mark.slow
 def test_four_replicas_default_strategy_resume_and_monitor(tmp_path):
     """4 processes with ``strategy="fgdiloco"`` (defaults: H=50, random gossip). 2400 samples / (4 x 8) = 75 steps
