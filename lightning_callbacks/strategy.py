@@ -161,6 +161,35 @@ def _local_sigterm_notifier(connector: Any, signum: Any, frame: Any) -> None:
     connector.received_sigterm = True
 
 
+def _known_backends() -> list[str]:
+    """The process-group backends torch.distributed knows now (its own and those registered with
+    ``torch.distributed.Backend.register_backend``)."""
+    backend = getattr(dist, "Backend", None)
+    return [b for b in getattr(backend, "backend_list", ["gloo", "nccl", "mpi"]) if b != "undefined"]
+
+
+def _check_process_group_arguments(backend: Any, timeout: Any) -> None:
+    """``process_group_backend`` / ``process_group_timeout``, checked when the strategy is built: torch checks them
+    only in ``init_process_group`` at ``fit``, in every process."""
+    if backend is not None:
+        known = _known_backends()
+        allowed = (f"None (Lightning's choice: 'nccl' on CUDA, 'gloo' otherwise), one of {known}, or per-device "
+                   f"pairs such as 'cpu:gloo,cuda:nccl' (another backend once registered with "
+                   f"torch.distributed.Backend.register_backend)")
+        if not isinstance(backend, str):
+            raise TypeError(f"process_group_backend must be {allowed}; got {type(backend).__name__}")
+        names = [item.split(":", 1)[-1].strip().lower() for item in backend.split(",")]
+        if not all(name in known for name in names):
+            raise ValueError(f"process_group_backend must be {allowed}; got {backend!r}")
+    if timeout is not None:
+        if not isinstance(timeout, datetime.timedelta):
+            raise TypeError(f"process_group_timeout must be a datetime.timedelta (DDP's process-group timeout, e.g. "
+                            f"datetime.timedelta(minutes=30)) or None (torch's default); got "
+                            f"{type(timeout).__name__} {timeout!r}")
+        if timeout <= datetime.timedelta(0):
+            raise ValueError(f"process_group_timeout must be a positive datetime.timedelta, got {timeout!r}")
+
+
 def _check_pipeline_arguments(stages: Any, microbatches: Any, schedule: Any) -> tuple[int, int, str]:
     """``pipeline_stages`` / ``n_microbatches`` / ``pipeline_schedule`` checked and normalised (no communication)."""
     for name, value in (("pipeline_stages", stages), ("n_microbatches", microbatches)):
@@ -209,6 +238,7 @@ class _FGDiLoCoStrategyMixin:
         if isinstance(settings.get("timeout"), datetime.timedelta):
             raise TypeError("timeout is FGDiLoCo's gossip deadline shorthand in seconds (a number); pass the "
                             "process-group timeout of DDP as process_group_timeout=datetime.timedelta(...)")
+        _check_process_group_arguments(process_group_backend, process_group_timeout)
         if start_method not in _START_METHODS:
             raise ValueError(f"start_method must be one of {_START_METHODS}, got {start_method!r}")
         if not isinstance(broadcast_init, bool):
@@ -757,9 +787,15 @@ if _pl is not None:
                 same stage of the ``world // S`` replicas; stage-to-stage sends are bounded by ``stage_timeout``.
             n_microbatches: microbatches per batch (int >= 1; >= S for "1f1b"; default: S).
             pipeline_schedule: ``"1f1b"`` (default) or ``"gpipe"``, as in :class:`fgdiloco.pipeline.Pipeline`.
-            accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-                process_group_backend, start_method: as in ``DDPStrategy`` (normally filled in by the Trainer).
-            process_group_timeout: DDP's ``timeout`` of the default process group (a ``timedelta``).
+            accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, start_method:
+                as in ``DDPStrategy`` (normally filled in by the Trainer).
+            process_group_backend: as in ``DDPStrategy``: None (Lightning picks ``"nccl"`` on CUDA, ``"gloo"``
+                otherwise), a backend ``torch.distributed`` knows (``torch.distributed.Backend.backend_list``:
+                ``"gloo"``, ``"nccl"``, ``"mpi"``, ``"ucc"``, ``"xccl"``, and any registered with
+                ``Backend.register_backend`` before the strategy is built), or per-device pairs
+                (``"cpu:gloo,cuda:nccl"``).
+            process_group_timeout: DDP's ``timeout`` of the default process group: a positive
+                ``datetime.timedelta``, or None (torch's default).
             activation_codec: what crosses the stage boundaries with ``pipeline_stages > 1``, as
                 :class:`fgdiloco.pipeline.Pipeline`'s ``activation_codec``: None (default: the activations as they
                 are), a codec used on every stage, or a callable ``stage_module -> codec`` called once with this
@@ -769,7 +805,9 @@ if _pl is not None:
 
         Raises:
             TypeError, ValueError: a wrong argument, when the strategy (or ``Trainer``) is built, with FGDiLoCo's
-                message; ``pipeline_stages`` that does not divide the processes when the ``Trainer`` is built.
+                message (a ``process_group_timeout`` that is not a ``timedelta``, e.g. ``30``, is a ``TypeError``;
+                an unknown ``process_group_backend`` a ``ValueError``); ``pipeline_stages`` that does not divide
+                the processes when the ``Trainer`` is built.
         """
 
         _namespace = _pl

@@ -136,11 +136,24 @@ def test_import_lightning_callbacks_registers_lazily_and_fgdiloco_survives_witho
         (dict(seed="0"), TypeError, "seed"),
         (dict(start_method="thread"), ValueError, "start_method"),
         (dict(find_unused_parameters=True), TypeError, "find_unused_parameters"),
+        (dict(process_group_timeout=30), TypeError, r"process_group_timeout must be a datetime\.timedelta"),
+        (dict(process_group_timeout="30"), TypeError, "process_group_timeout"),
+        (dict(process_group_timeout=datetime.timedelta(0)), ValueError, "process_group_timeout .*positive"),
+        (dict(process_group_backend="glo"), ValueError, r"process_group_backend must be None .*'gloo'.*'nccl'"),
+        (dict(process_group_backend="cpu:gloo,cuda:bogus"), ValueError, "process_group_backend"),
+        (dict(process_group_backend=1), TypeError, "process_group_backend"),
     ],
 )
 def test_wrong_strategy_arguments_fail_when_built(kwargs, error, match):
     with pytest.raises(error, match=match):
         pl.Trainer(strategy=FGDiLoCoStrategy(**kwargs), accelerator="cpu", devices=2, logger=False)
+
+
+@pytest.mark.parametrize("backend", [None, "gloo", "nccl", "NCCL", "mpi", "cpu:gloo,cuda:nccl"])
+@pytest.mark.parametrize("timeout", [None, datetime.timedelta(seconds=30)])
+def test_valid_process_group_arguments_are_accepted_and_passed_on(backend, timeout):
+    strategy = FGDiLoCoStrategy(process_group_backend=backend, process_group_timeout=timeout)
+    assert strategy._process_group_backend == backend and strategy._timeout == timeout
 
 
 def _stats(round_: int, distance: float | None) -> RoundStats:
