@@ -195,6 +195,19 @@ def test_monitor_metric_names():
         GossipMonitor(prog_bar={"no_such_field": "x"})
 
 
+def test_docs_list_every_key_the_monitor_logs():
+    """docs/lightning.md's GossipMonitor section names every key the monitor can log (one round with every
+    optional field set) and no other."""
+    stats = _stats(3, 0.5)
+    for field in ("pseudo_gradient_distance", "pseudo_gradient_relative", "momentum_distance", "deadline_seconds",
+                  "mix1_deadline_seconds"):
+        setattr(stats, field, 0.25)
+    logged = {k.removeprefix("gossip/") for k in GossipMonitor().metrics(stats, failed_total=3)}
+    doc = (REPO / "docs" / "lightning.md").read_text().split("## `GossipMonitor`", 1)[1]
+    listed = doc.split("under `prefix`:", 1)[1].split("[design.md]", 1)[0]
+    assert set(re.findall(r"`([a-z0-9_]+)`", listed)) == logged
+
+
 # ---------------------------------------------------------------------------------------------------- multi-process
 def _plain_wrapper(rank: int, world: int, samples: int, batch_size: int, epochs: int, sync_every: int, seed: int):
     """The same training as train.py, written as a plain loop around FGDiLoCo. Data order: Lightning injects
