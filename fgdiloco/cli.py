@@ -412,8 +412,13 @@ def _summary_text(s: dict[str, Any], out: Path, elapsed: float) -> str:
     from .pretrain.results import fmt_bytes, fmt_duration
 
     util = "-" if s.get("utilisation") is None else f"{100 * s['utilisation']:.1f}%"
+    head = f"[fgdiloco] done in {fmt_duration(elapsed)}:"
+    if s.get("stopped_early"):  # --max-seconds: a run that can go on, not a finished one
+        head = (f"[fgdiloco] stopped at --max-seconds after round {s['rounds']}/{s['rounds_planned']} (step "
+                f"{s['steps']}/{s['steps_planned']}) in {fmt_duration(elapsed)}; the same command with --resume "
+                "continues it:")
     lines = [
-        f"[fgdiloco] done in {fmt_duration(elapsed)}:",
+        head,
         f"  held-out loss   {s['initial_eval_loss']:.3f} -> {s['final_eval_loss']:.3f} nats/token "
         f"(mean over replicas {s['final_eval_loss_mean']:.3f}; unigram baseline {s['unigram_loss']:.3f})",
         f"  tokens          {_tokens(s['tokens'])} in {s['train_seconds']:.1f} s of training: "

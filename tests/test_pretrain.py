@@ -840,3 +840,16 @@ def test_resume_of_a_finished_run_has_nothing_to_continue(tmp_path):
     (tmp_path / "summary.json").write_text(json.dumps(done))
     assert _finished(tmp_path, cfg) == f"the run in {tmp_path} already finished its 8 rounds (held-out loss 4.500); " \
                                        "nothing to continue"
+
+
+def test_the_closing_lines_say_a_run_stopped_at_max_seconds_can_go_on(tmp_path):
+    from fgdiloco.cli import _summary_text
+
+    s = {"initial_eval_loss": 7.6, "final_eval_loss": 6.1, "final_eval_loss_mean": 6.2, "unigram_loss": 5.3,
+         "tokens": 10_000, "train_seconds": 1.5, "tokens_per_second": 6_667.0, "setup_seconds": 2.0,
+         "utilisation": 0.9, "bytes_sent_per_worker": 1e6, "bytes_sent_all_workers": 2e6, "failed_exchanges": 0,
+         "stopped_early": False, "rounds": 10, "rounds_planned": 10, "steps": 30, "steps_planned": 30}
+    assert _summary_text(s, tmp_path, 14.0).splitlines()[0] == "[fgdiloco] done in 14s:"
+    early = _summary_text({**s, "stopped_early": True, "rounds": 1, "steps": 3}, tmp_path, 14.0).splitlines()[0]
+    assert early == ("[fgdiloco] stopped at --max-seconds after round 1/10 (step 3/30) in 14s; the same command "
+                     "with --resume continues it:"), early
