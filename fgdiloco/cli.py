@@ -468,6 +468,9 @@ def run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     code = _missing_extra(parser.prog)
     if code is not None:
         return code
+    if args.wan is not None and not Path(args.wan).is_file():  # named: not found is an error, not "nothing to
+        print(f"{parser.prog}: error: --wan {args.wan}: no such file", file=sys.stderr)  # validate against"
+        return 2
     try:
         out, note = choose_output(args.out if args.out is not None else simulate.DEFAULT_OUT,
                                   explicit=args.out is not None, overwrite=args.overwrite,

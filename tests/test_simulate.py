@@ -176,3 +176,21 @@ def test_fgdiloco_simulate_writes_a_fresh_folder_and_prints_tables(tmp_path):
         expect = [100 * res["table"][k]["utilisation"] for k in res["table"] if k.startswith(label + " |")]
         assert [float(c) for c in cells] == pytest.approx(expect, abs=0.051)
     assert "{" not in proc.stdout  # no raw dict
+
+
+def test_fgdiloco_simulate_refuses_options_out_of_range_in_one_line(tmp_path, capsys):
+    from fgdiloco.cli import main
+
+    # they crashed (ZeroDivisionError, IndexError) or were taken as given (a negative bandwidth, a nan)
+    for argv, text in ((["--bandwidth", "0"], "--bandwidth: expected a number in (0, inf), got '0'"),
+                       (["--bandwidth", "nan"], "--bandwidth: expected a number in (0, inf), got 'nan'"),
+                       (["--latency-ms", "-1"], "--latency-ms: expected a number in [0, inf), got '-1'"),
+                       (["--oversubscription", "0"], "--oversubscription: expected a number in (0, inf)"),
+                       (["--max-rounds", "0"], "--max-rounds: expected an int >= 1, got '0'")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["simulate", *argv, "--out", str(tmp_path / "out")])
+        assert exit_.value.code == 2
+        assert text in capsys.readouterr().err.strip().splitlines()[-1]
+    assert main(["simulate", "--wan", str(tmp_path / "none.json"), "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.strip() == f"fgdiloco simulate: error: --wan {tmp_path / 'none.json'}: no such file"
+    assert not (tmp_path / "out").exists()  # refused before anything was written
