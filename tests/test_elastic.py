@@ -286,6 +286,17 @@ def test_a_parameter_unfrozen_later_is_an_error_at_the_next_round():
     opt.close()
 
 
+def test_a_parameter_frozen_later_is_an_error_at_the_next_round():
+    # the outer momentum went on moving it (by 0.2 over 3 rounds at momentum 0.9), and Mix1 would average it
+    model = make_model()
+    opt = FGDiLoCo(model, torch.optim.AdamW(model.parameters(), lr=INNER_LR), sync_every=H)
+    _train(opt, 0, 0, H)
+    model[0].weight.requires_grad_(False)
+    with pytest.raises(RuntimeError, match=r"1 synchronised parameter\(s\) were frozen .* \(0\.weight\)"):
+        _train(opt, 0, H, 2 * H)  # the round that ends at step 2H starts the next one: checked there
+    opt.close()
+
+
 def test_an_inner_optimizer_with_parameters_outside_the_model_is_rejected():
     model, head = make_model(), torch.nn.Linear(2, 2)
     inner = torch.optim.AdamW(list(model.parameters()) + list(head.parameters()), lr=INNER_LR)

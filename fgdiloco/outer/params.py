@@ -53,8 +53,14 @@ class SyncedParameters:
         return out
 
     def check(self) -> None:
-        """Raise ``RuntimeError`` naming any trainable parameter that is not synchronised (checked at every round
-        start; a walk over the parameters)."""
+        """Raise ``RuntimeError`` naming any trainable parameter that is not synchronised, or a synchronised one
+        that was frozen since (checked at every round start; a walk over the parameters)."""
+        frozen = [n for n, p in zip(self.names, self.params) if not p.requires_grad]
+        if frozen:
+            raise RuntimeError(
+                f"{len(frozen)} synchronised parameter(s) were frozen (requires_grad=False) after FGDiLoCo was built "
+                f"({', '.join(frozen[:5])}): the outer step would still move them (its momentum) and Mix1 average "
+                "them. Freeze parameters before building the wrapper (build a new one after freezing)")
         extra = self.unsynchronised()
         if extra:
             raise RuntimeError(
