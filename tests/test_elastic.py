@@ -102,6 +102,45 @@ BAD_STATES = {
     "topology": (lambda s: s.update(topology="ring"), r"topology='ring', this run uses 'random'"),
     "layout": (lambda s: s.update(fingerprint=b"\0" * 8), r"another model layout"),
     "buffers": (lambda s: s["buffers"].update(extra=torch.zeros(1)), r"'buffers' must hold the model's buffers"),
+    # the inner optimizer's state (AdamW): torch loads any of these, and the next step fails
+    "inner exp_avg shape": (lambda s: s["inner"]["state"][0].update(exp_avg=torch.zeros(3)),
+                            r"'inner' state 'exp_avg' of 0.weight has shape \(3,\), the inner optimizer's has "
+                            r"\(12, 6\)"),
+    "inner exp_avg not a tensor": (lambda s: s["inner"]["state"][1].update(exp_avg="x"),
+                                   r"'inner' state 'exp_avg' of 0.bias must be a tensor, got str"),
+    "inner no step": (lambda s: s["inner"]["state"][0].pop("step"), r"'inner' state of 0.weight lacks 'step'"),
+    "inner state not a dict": (lambda s: s["inner"]["state"].update({0: 3}),
+                               r"'inner' state of 0.weight must be a dict"),
+    "inner state of no parameter": (lambda s: s["inner"]["state"].update({99: {}}),
+                                    r"'inner' holds a state for the parameter id 99"),
+    # the pseudo-gradient an overlapped Mix2 was mixing: one per parameter of the next round's fragment
+    "overlap_delta not a list": (lambda s: s.update(overlap_delta="garbage"),
+                                 r"'overlap_delta' must be a list of 4 tensors .*got str"),
+    "overlap_delta too short": (lambda s: s.update(overlap_delta=[torch.zeros(1)]),
+                                r"'overlap_delta' must be a list of 4 tensors .*got 1"),
+    "overlap_delta shape": (lambda s: s.update(overlap_delta=[torch.zeros(3, 3)] * 4),
+                            r"'overlap_delta' entry for 0.weight has shape \(3, 3\)"),
+}
+
+# a torch outer optimizer's state (Adam): torch loads most of these, and the next outer step fails
+BAD_TORCH_OUTER_STATES = {
+    "only exp_avg, a string": (lambda s: s["outer_optimizer"]["torch"]["state"].update({0: {"exp_avg": "x"}}),
+                               r"'outer_optimizer' state of 0.weight lacks 'step'"),
+    "exp_avg a string": (lambda s: s["outer_optimizer"]["torch"]["state"][0].update(exp_avg="x"),
+                         r"'outer_optimizer' state 'exp_avg' of 0.weight must be a tensor, got str"),
+    "exp_avg shape": (lambda s: s["outer_optimizer"]["torch"]["state"][2].update(exp_avg=torch.zeros(3)),
+                      r"'outer_optimizer' state 'exp_avg' of 2.weight has shape \(3,\), the outer optimizer's has "
+                      r"\(1, 12\)"),
+    "exp_avg_sq missing": (lambda s: s["outer_optimizer"]["torch"]["state"][3].pop("exp_avg_sq"),
+                           r"'outer_optimizer' state of 2.bias lacks 'exp_avg_sq'"),
+    "not a torch state": (lambda s: s.update(outer_optimizer={"x": 1}),
+                          r"'outer_optimizer' must be a torch outer optimizer's state"),
+    "no param_groups": (lambda s: s["outer_optimizer"]["torch"].pop("param_groups"),
+                        r"'outer_optimizer' must be a torch optimizer's state_dict\(\)"),
+    "an extra group": (lambda s: s["outer_optimizer"]["torch"]["param_groups"].append({"params": [7], "lr": 1.0}),
+                       r"'outer_optimizer' has parameter groups of sizes \[4, 1\], the outer optimizer \[4\]"),
+    "another class": (lambda s: s["outer_optimizer"].update({"class": "torch.optim.sgd.SGD"}),
+                      r"saved by torch.optim.sgd.SGD, this run's outer optimizer is torch.optim.adam.Adam"),
 }
 
 
@@ -116,6 +155,40 @@ def test_every_bad_state_dict_raises_value_error_before_anything_changes(name):
         opt.load_state_dict(_bad(good, change))
     _assert_same(_snapshot(opt), before)
     opt.load_state_dict(good)  # and the good one still loads
+    opt.close()
+
+
+@pytest.mark.parametrize("name", list(BAD_TORCH_OUTER_STATES))
+def test_every_bad_torch_outer_optimizer_state_raises_value_error_before_anything_changes(name):
+    opt = _opt(outer_optimizer="adam")
+    _train(opt, 0, 0, 2 * H + 1)  # Adam's moments and step counts, the inner AdamW's, mid-round
+    good = opt.state_dict()
+    change, match = BAD_TORCH_OUTER_STATES[name]
+    before = _snapshot(opt)
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(_bad(good, change))
+    _assert_same(_snapshot(opt), before)
+    _train(opt, 0, 2 * H + 1, 3 * H + 1)  # an outer step still works
+    opt.load_state_dict(good)  # and the good one still loads
+    opt.close()
+
+
+@pytest.mark.parametrize("outer", [None, "adam"])
+def test_a_state_dict_is_a_copy_and_rewinds_the_wrapper_bit_for_bit(outer):
+    """state_dict() copies the inner (AdamW) and outer optimizers' states too, and load_state_dict() keeps copies:
+    training on changes neither the saved dict nor the next rewind from it."""
+    opt = _opt(outer_optimizer=outer)
+    _train(opt, 0, 0, H + 1)
+    saved = opt.state_dict()
+    kept = copy.deepcopy(saved)
+    _train(opt, 0, H + 1, 3 * H + 2)
+    first = _flat(opt)
+    _assert_same(saved, kept)
+    for _ in range(2):
+        opt.load_state_dict(saved)
+        _train(opt, 0, H + 1, 3 * H + 2)
+        assert _flat(opt) == first
+        _assert_same(saved, kept)
     opt.close()
 
 

@@ -5,6 +5,7 @@ outer optimizers, their state mixed in Mix1, checkpoints and the errors."""
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import pytest
@@ -237,6 +238,67 @@ def test_an_adam_outer_step_mixes_its_moments_and_checkpoints_them():
     with pytest.raises(ValueError, match="another kind of outer optimizer"):
         builtin.load_state_dict(saved)
     fresh.close(), builtin.close()
+
+
+@pytest.mark.parametrize(("saved_by", "loaded_into", "names"), [
+    ("adam", "sgd", ("adam.Adam", "sgd.SGD")),
+    ("adam", "adamw", ("adam.Adam", "adamw.AdamW")),
+    ("sgd", "adam", ("sgd.SGD", "adam.Adam")),
+    (lambda p: torch.optim.Adagrad(p, lr=0.1), "adam", ("adagrad.Adagrad", "adam.Adam")),
+])
+def test_a_torch_outer_optimizers_state_loads_only_into_the_same_class(saved_by, loaded_into, names):
+    """Adam's state loaded into SGD made SGD's parameter groups Adam's (KeyError: 'momentum' at the next outer step);
+    into AdamW it trained with Adam's hyperparameters. Refused, naming both classes, and nothing changes."""
+    saver = _opt(make_model(seed=0), sync_every=2, outer_optimizer=saved_by, mix_momentum=False)
+    _train(saver, 0, 5)
+    saved = saver.state_dict()
+    opt = _opt(make_model(seed=1), sync_every=2, outer_optimizer=loaded_into, mix_momentum=False)
+    _train(opt, 1, 3)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=rf"saved by torch\.optim\.{names[0]}, this run's outer optimizer is "
+                                         rf"torch\.optim\.{names[1]}"):
+        opt.load_state_dict(saved)
+    assert _same(opt.state_dict(), before)
+    _train(opt, 1, 2)  # its own outer step still works
+    saver.close(), opt.close()
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("outer", ["adam", "sgd"])
+def test_a_resumed_outer_optimizer_steps_with_the_constructions_hyperparameters_and_the_saved_state(outer):
+    """Resumed with another outer_lr (and betas), a torch outer optimizer kept the saved ones while opt.outer_lr
+    reported the new one (the built-in Nesterov step already took the new one). Now it steps with the new ones,
+    from the saved moments and step counts."""
+    saver = _opt(make_model(seed=0), sync_every=2, outer_optimizer=outer, outer_lr=0.7, outer_momentum=0.9)
+    _train(saver, 0, 4)
+    saved = saver.state_dict()
+    opt = _opt(make_model(seed=0), sync_every=2, outer_optimizer=outer, outer_lr=0.1, outer_momentum=0.5)
+    opt.load_state_dict(saved)
+    assert opt.outer_lr == 0.1
+    group = opt.outer.optimizer.opt.param_groups[0]
+    assert group["lr"] == 0.1 and group.get("betas", (0.5, 0.999)) == (0.5, 0.999) and group.get("momentum", 0.5) == 0.5
+    state = opt.outer.optimizer.opt.state[opt.outer.optimizer.masters[0]]
+    want = saved["outer_optimizer"]["torch"]["state"][0]
+    assert want and all(torch.equal(state[k], want[k]) for k in want)
+    # the next outer step: θ ← θ̄ − 0.1 · (Adam's or SGD's direction, which does not depend on the lr)
+    theta0 = [t.clone() for t in opt.outer.theta0]
+    _train(opt, 0, 2)
+    slow = [t - u for t, u in zip(opt.outer.theta0, theta0)]
+    fast = _opt(make_model(seed=0), sync_every=2, outer_optimizer=outer, outer_lr=0.7, outer_momentum=0.5)
+    fast.load_state_dict(saved)
+    _train(fast, 0, 2)
+    for s_, f in zip(slow, (t - u for t, u in zip(fast.outer.theta0, theta0))):
+        torch.testing.assert_close(s_ * 7, f, rtol=1e-4, atol=1e-6)
+    saver.close(), opt.close(), fast.close()
 
 
 def test_an_outer_optimizer_whose_state_cannot_be_mixed_is_refused_by_name():

@@ -12,11 +12,13 @@ import torch
 from ..factor.codec import Codec
 from .optimizer import TorchOuter
 from .state import OuterState
+from .torchstate import check_torch_state, clone_state
 
 __all__ = ["STATE_VERSION", "load_codecs_and_inner", "pack", "validate_state"]
 
-# 4: + "fragments", "outer_optimizer" (a torch outer optimizer's state_dict, or None) and "overlap_delta" (the
-#    pseudo-gradient an overlapped Mix2 was mixing when the state was saved, or None);
+# 4: + "fragments", "outer_optimizer" (a torch outer optimizer's {"class": its class, "torch": its state_dict}, or
+#    None; "class" is absent from states written before it was recorded) and "overlap_delta" (the pseudo-gradient
+#    an overlapped Mix2 was mixing when the state was saved, or None);
 # 3: + the model's trainable parameters and buffers ("params", "buffers") and the key "generation";
 # 2: fp32 outer momentum owned by the wrapper ("momentum"); 1: outer momentum as a torch.optim.SGD state ("outer")
 STATE_VERSION = 4
@@ -32,11 +34,12 @@ def pack(outer: OuterState, inner: torch.optim.Optimizer, model: torch.nn.Module
          overlap_delta: list[torch.Tensor] | None) -> dict[str, Any]:
     """The state dict of version :data:`STATE_VERSION`: ``header`` (``fragments``, ``sync_every``, ``seed``,
     ``topology``, ``world_size``, ``rank``, ``fingerprint``) and copies of the states (``codecs``: Mix2's, one per
-    fragment; ``overlap_delta``: the pseudo-gradient an overlapped Mix2 is mixing, or None)."""
+    fragment; ``overlap_delta``: the pseudo-gradient an overlapped Mix2 is mixing, or None). Every tensor is a copy,
+    the inner and outer optimizers' states included: later steps do not change a state dict already taken."""
     torch_outer = isinstance(outer.optimizer, TorchOuter)
     return {
         "version": STATE_VERSION,
-        "inner": inner.state_dict(),
+        "inner": clone_state(inner.state_dict()),
         "momentum": [] if torch_outer else [m.detach().clone() for m in outer.momentum],
         "outer_optimizer": outer.optimizer.state_dict() if torch_outer else None,
         "fragments": header["fragments"],
@@ -56,8 +59,13 @@ def pack(outer: OuterState, inner: torch.optim.Optimizer, model: torch.nn.Module
 
 def load_codecs_and_inner(state: dict[str, Any], codecs: list[Codec], mix1_codec: Codec,
                           inner: torch.optim.Optimizer) -> None:
-    """Load the codecs' states (Mix2's, one per fragment, then Mix1's) and the inner optimizer's from a validated
-    state dict; on any failure restore what they held and raise ``ValueError``."""
+    """Load the codecs' states (Mix2's, one per fragment, then Mix1's) and the inner optimizer's (copies of its
+    tensors: later steps leave the state dict as it was) from a validated state dict.
+
+    Raises:
+        ValueError: another number of fragments' codec states, or a codec state that does not load; the codecs and
+            the inner optimizer are restored to what they held first.
+    """
     codecs = [*codecs, mix1_codec]
     saved = [state["codec"]["state"], *state["codec"].get("fragments", []), state["mix1_codec"]["state"]]
     if len(saved) != len(codecs):
@@ -67,7 +75,7 @@ def load_codecs_and_inner(state: dict[str, Any], codecs: list[Codec], mix1_codec
     try:
         for codec, st in zip(codecs, saved):
             codec.load_state_dict(st)
-        inner.load_state_dict(state["inner"])
+        inner.load_state_dict(clone_state(state["inner"]))
     except Exception as e:
         for codec, st in zip(codecs, backup[0]):
             codec.load_state_dict(st)
@@ -81,11 +89,11 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _check_tensors(key: str, saved: Any, like: list[torch.Tensor], names: list[str]) -> None:
+def _check_tensors(key: str, saved: Any, like: list[torch.Tensor], names: list[str],
+                   each: str = "one per trainable parameter") -> None:
     if not isinstance(saved, (list, tuple)) or len(saved) != len(like):
         n = len(saved) if isinstance(saved, (list, tuple)) else type(saved).__name__
-        raise ValueError(f"state dict {key!r} must be a list of {len(like)} tensors (one per trainable "
-                         f"parameter), got {n}")
+        raise ValueError(f"state dict {key!r} must be a list of {len(like)} tensors ({each}), got {n}")
     for name, t, ref in zip(names, saved, like):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise ValueError(f"state dict {key!r} entry for {name} must be a floating-point tensor, got "
@@ -149,29 +157,58 @@ def _check_buffers(state: dict[str, Any], model: torch.nn.Module) -> None:
             raise ValueError(f"state dict buffer {n!r} must be a tensor of shape {tuple(own[n].shape)}")
 
 
-def _check_inner(state: dict[str, Any], inner: torch.optim.Optimizer) -> None:
-    saved = state["inner"]
-    if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict) \
-            or not isinstance(saved.get("param_groups"), list):
-        raise ValueError("state dict 'inner' must be the inner optimizer's state_dict()")
-    sizes = [len(g.get("params", ())) if isinstance(g, dict) else -1 for g in saved["param_groups"]]
-    own_sizes = [len(g["params"]) for g in inner.param_groups]
-    if sizes != own_sizes:
-        raise ValueError(f"state dict 'inner' has parameter groups of sizes {sizes}, the inner optimizer "
-                         f"{own_sizes}")
+def _check_inner(state: dict[str, Any], inner: torch.optim.Optimizer, model: torch.nn.Module) -> None:
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    names = [name_of.get(id(p), f"parameter {j} of the inner optimizer")
+             for j, p in enumerate(p for g in inner.param_groups for p in g["params"])]
+    check_torch_state("inner", state["inner"], inner, names, "inner optimizer")
+
+
+def _check_overlap_delta(state: dict[str, Any], outer: OuterState, names: list[str],
+                         fragments: list[list[int]]) -> None:
+    if state["overlap_delta"] is None:
+        return
+    frag = fragments[state["round"] % len(fragments)]
+    _check_tensors("overlap_delta", state["overlap_delta"], [outer.params[i] for i in frag], [names[i] for i in frag],
+                   f"one per parameter of fragment {state['round'] % len(fragments)}, whose round is next")
+
+
+def _check_outer(state: dict[str, Any], version: int, expect: dict[str, Any], outer: OuterState,
+                 names: list[str]) -> dict[str, Any]:
+    torch_outer = state.get("outer_optimizer") is not None
+    if version >= 4 and torch_outer != expect["torch_outer"]:
+        raise ValueError("state dict was saved with another kind of outer optimizer (a torch optimizer's state "
+                         "and the built-in Nesterov momentum do not load into each other)")
+    if torch_outer:
+        return {"momentum": [], "outer_optimizer": outer.optimizer.prepare_load(state["outer_optimizer"], names)}
+    momentum = _saved_momentum(state, outer.theta0)
+    _check_tensors("outer" if version == 1 else "momentum", momentum, outer.theta0, names)
+    return {"momentum": momentum, "outer_optimizer": None}
 
 
 def validate_state(state: Any, *, expect: dict[str, Any], outer: OuterState, names: list[str],
-                   model: torch.nn.Module, inner: torch.optim.Optimizer, sync_every: int) -> list[torch.Tensor]:
-    """Check a ``state_dict`` against this worker without changing anything; returns its outer momentum (version
-    1 states keep it as an SGD state). ``expect``: this worker's ``fingerprint``, ``rank``, ``world_size``,
-    ``codec`` and ``mix1_codec`` names, ``seed``, ``topology`` name, ``fragments`` count and ``torch_outer`` (a torch
-    outer optimizer, whose state is its own ``state_dict``).
+                   model: torch.nn.Module, inner: torch.optim.Optimizer, sync_every: int,
+                   fragments: list[list[int]]) -> dict[str, Any]:
+    """Check a ``state_dict`` against this worker without changing anything. ``expect``: this worker's
+    ``fingerprint``, ``rank``, ``world_size``, ``codec`` and ``mix1_codec`` names, ``seed``, ``topology`` name,
+    ``fragments`` count and ``torch_outer`` (a torch outer optimizer, whose state is its own ``state_dict``);
+    ``fragments``: the parameter indices of each fragment.
+
+    The inner optimizer's state and a torch outer optimizer's are checked in full
+    (:func:`~fgdiloco.outer.torchstate.check_torch_state`: every state tensor against the one a step creates for its
+    parameter, then a trial load and step of a copy of the optimizer).
+
+    Returns:
+        ``momentum``: the built-in outer momentum (version 1 states keep it as an SGD state; [] for a torch outer
+        optimizer) and ``outer_optimizer``: the torch outer optimizer's state dict to load (its saved state with the
+        hyperparameters of this run's construction), or None; what :meth:`OuterState.load` takes.
 
     Raises:
         ValueError: not a state dict of a known version, a missing key (named), another model layout, rank, world
-            size, codec, seed or topology, tensors of the wrong type or shape, or inner optimizer parameter groups
-            that do not match.
+            size, codec, seed, topology or number of fragments, tensors of the wrong type or shape (``overlap_delta``
+            included), an inner or torch outer optimizer state that does not match its optimizer (groups, a missing
+            state key, a state tensor of the wrong type or shape, or one that does not load), or a state saved with
+            another outer optimizer (the built-in one or another torch optimizer class).
     """
     version = _check_header(state, expect)
     if not _is_int(state["round"]) or state["round"] < 0:
@@ -181,25 +218,20 @@ def validate_state(state: Any, *, expect: dict[str, Any], outer: OuterState, nam
         raise ValueError(f"state dict 'steps_in_round' must be an int in [0, {sync_every}) (inner steps between "
                          f"outer rounds), got {steps!r}")
     _check_tensors("anchor", state["anchor"], outer.theta0, names)
-    torch_outer = state.get("outer_optimizer") is not None
-    if version >= 4:
-        if state["fragments"] != expect["fragments"]:
-            raise ValueError(f"state dict was saved with fragments={state['fragments']!r}, this run uses "
-                             f"{expect['fragments']!r}")
-        if torch_outer != expect["torch_outer"]:
-            raise ValueError("state dict was saved with another kind of outer optimizer (a torch optimizer's state "
-                             "and the built-in Nesterov momentum do not load into each other)")
-    momentum = [] if torch_outer else _saved_momentum(state, outer.theta0)
-    if not torch_outer:
-        _check_tensors("outer" if version == 1 else "momentum", momentum, outer.theta0, names)
+    if version >= 4 and state["fragments"] != expect["fragments"]:
+        raise ValueError(f"state dict was saved with fragments={state['fragments']!r}, this run uses "
+                         f"{expect['fragments']!r}")
     if version >= 3:
         _check_tensors("params", state["params"], outer.params, names)
         _check_buffers(state, model)
-    _check_inner(state, inner)
+    if version >= 4:
+        _check_overlap_delta(state, outer, names, fragments)
+    checked = _check_outer(state, version, expect, outer, names)
+    _check_inner(state, inner, model)
     if version < STATE_VERSION:
         warnings.warn(f"FGDiLoCo state dict of an older format (version {version}, this build writes "
                       f"{STATE_VERSION}) without the model's weights: "
                       + ("the model's parameters are set from the saved round-start anchor" if
                          state["steps_in_round"] == 0 else "load the model's weights after building the "
                          "wrapper (broadcast_init overwrites them with rank 0's)"), stacklevel=3)
-    return momentum
+    return checked

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from .torchstate import check_structure, check_torch_state, clone_state
+
 __all__ = ["MIXABLE", "NesterovOuter", "OuterOptimizer", "TorchOuter", "build_outer"]
 
 #: Outer optimizers whose state Mix1 can mix, and the per-parameter state tensors it mixes (in this order).
@@ -160,10 +162,60 @@ class TorchOuter(OuterOptimizer):
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"torch": self.opt.state_dict()}
+        """The torch optimizer's class (``"torch.optim.adam.Adam"``) and ``state_dict()``, with copies of its
+        tensors."""
+        return {"class": _class_name(self.opt), "torch": clone_state(self.opt.state_dict())}
+
+    def prepare_load(self, state: Any, names: Sequence[str] | None = None) -> dict[str, Any]:
+        """Check a :meth:`state_dict` without changing anything; returns the torch state dict to load
+        (:meth:`load_prepared`): the saved per-parameter state (moments, step counts) with the hyperparameters of
+        this optimizer as it was constructed (learning rate, betas, weight decay...), not the saved ones.
+        ``names``: the parameters' names, one per master (in messages).
+
+        Raises:
+            ValueError: not such a state dict, one saved with another optimizer class (both named; a state dict
+                written before the class was recorded: other hyperparameter names), or a state that does not load
+                or step (:func:`~fgdiloco.outer.torchstate.check_torch_state`: groups, a missing state key, a
+                state tensor of the wrong type or shape).
+        """
+        if not isinstance(state, dict) or not isinstance(state.get("torch"), dict):
+            raise ValueError("state dict 'outer_optimizer' must be a torch outer optimizer's state (a dict with "
+                             "'class' and 'torch', its state_dict())")
+        own, saved_class = _class_name(self.opt), state.get("class")
+        if saved_class is not None and saved_class != own:
+            raise ValueError(f"state dict 'outer_optimizer' was saved by {saved_class}, this run's outer optimizer "
+                             f"is {own}: the state of one does not load into the other")
+        saved = state["torch"]
+        check_structure("outer_optimizer", saved, self.opt, "outer optimizer")
+        current = self.opt.state_dict()["param_groups"]
+        if saved_class is None:
+            settings = [sorted(set(g) - {"params", "param_names"}) for g in (*current, *saved["param_groups"])]
+            if settings[:len(current)] != settings[len(current):]:
+                raise ValueError(f"state dict 'outer_optimizer' was saved by another torch optimizer (settings "
+                                 f"{settings[-1]}), this run's outer optimizer is {own} ({settings[0]})")
+        merged = {"state": saved["state"],
+                  "param_groups": [{**g, "params": s["params"]} for g, s in zip(current, saved["param_groups"])]}
+        index = {id(m): i for i, m in enumerate(self.masters)}
+        names = list(names) if names is not None else [f"parameter {i}" for i in range(len(self.masters))]
+        check_torch_state("outer_optimizer", merged, self.opt,
+                          [names[index[id(p)]] for g in self.opt.param_groups for p in g["params"]], "outer optimizer")
+        return merged
+
+    def load_prepared(self, prepared: dict[str, Any]) -> None:
+        """Load what :meth:`prepare_load` returned (copies of its tensors)."""
+        self.opt.load_state_dict(clone_state(prepared))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.opt.load_state_dict(state["torch"])
+        """Check and load a :meth:`state_dict` (:meth:`prepare_load`: the hyperparameters stay this optimizer's).
+
+        Raises:
+            ValueError: as :meth:`prepare_load`; nothing has changed then.
+        """
+        self.load_prepared(self.prepare_load(state))
+
+
+def _class_name(opt: torch.optim.Optimizer) -> str:
+    return f"{type(opt).__module__}.{type(opt).__qualname__}"
 
 
 def build_outer(config: Any, like: Sequence[torch.Tensor]) -> OuterOptimizer:

@@ -137,13 +137,14 @@ class OuterState:
         return r
 
     # ------------------------------------------------------------------ checkpoints
-    def load(self, state: dict[str, Any], momentum: list[torch.Tensor], model: torch.nn.Module) -> None:
-        """Restore a validated ``state_dict`` (:func:`~fgdiloco.outer.checkpoint.validate_state`): anchor, outer
-        optimizer, model parameters and buffers, counters."""
-        version = state["version"]
+    def load(self, state: dict[str, Any], checked: dict[str, Any], model: torch.nn.Module) -> None:
+        """Restore a validated ``state_dict``: anchor, outer optimizer, model parameters and buffers, counters.
+        ``checked``: what :func:`~fgdiloco.outer.checkpoint.validate_state` returned for it (the outer momentum, or
+        the torch outer optimizer's state dict to load)."""
+        version, momentum = state["version"], checked["momentum"]
         with torch.no_grad():
-            if state.get("outer_optimizer") is not None:
-                self.optimizer.load_state_dict(state["outer_optimizer"])
+            if checked["outer_optimizer"] is not None:
+                self.optimizer.load_prepared(checked["outer_optimizer"])
                 momentum = self.momentum
             self.set(state["anchor"], momentum, int(state["round"]), copy_to_params=False)
             if version >= 3:

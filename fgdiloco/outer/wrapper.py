@@ -422,7 +422,8 @@ class FGDiLoCo:
         """Everything needed to continue the same trajectory: inner optimizer state, fp32 outer momentum, the fp32
         round-start parameters (``anchor``), the model's trainable parameters and buffers as they are now (so the
         order of loading the model and building the wrapper does not matter, see :meth:`load_state_dict`), round
-        and step counters, schedule seed and topology, rank and world size, codec states."""
+        and step counters, schedule seed and topology, rank and world size, codec states. Every tensor is a copy
+        (the optimizers' states included): training on leaves the state dict as it was."""
         r = self._round
         return pack(self.outer, self.inner_optimizer, self.model, self.params, header=self._header(),
                     codecs=[m.codec for m in self._mixer2s], mix1_codec=self.mix1_codec,
@@ -449,17 +450,34 @@ class FGDiLoCo:
         store. Workers that train together must load states of the same generation with the same history (every
         worker of a resumed job loads, once): then they agree on it without talking.
 
+        The inner optimizer's state is checked in full before it is loaded: its parameter groups, and every
+        parameter's state against the one a step of the inner optimizer creates (the same keys, tensors of the same
+        shapes), then a trial load and step of a copy of it. Its hyperparameters (learning rate...) are the saved
+        ones, as ``torch.optim.Optimizer.load_state_dict`` does.
+
+        A torch outer optimizer (``outer_optimizer=``) loads only a state saved by the same optimizer class, checked
+        in the same way; its state (moments, step counts) comes from the state dict and its hyperparameters
+        (``outer_lr``, ``outer_momentum``, what a factory sets) from this wrapper's construction, as the built-in
+        Nesterov outer step's do: a run resumed with another ``outer_lr`` steps with the new one.
+
+        The wrapper keeps copies of the loaded tensors: training on leaves ``state`` as it was, so the same state
+        dict can rewind the wrapper again.
+
         States of version 1 and 2 (older formats, without the model's weights) are accepted with a warning; their
         model weights are taken from the anchor when the state was saved at a round boundary
         (``steps_in_round == 0``, where parameters equal the anchor), else left as they are.
 
         Raises:
             ValueError: not a state dict of a known version, a missing key (named), another model layout, rank,
-                world size, codec, seed or topology, tensors of the wrong type or shape, or inner optimizer
-                parameter groups that do not match. Nothing has changed when it is raised.
+                world size, codec, seed, topology or number of fragments, tensors of the wrong type or shape
+                (``overlap_delta`` included), an inner or torch outer optimizer state that does not match its
+                optimizer (parameter groups, a missing state key, a state tensor of the wrong type or shape, one
+                that does not load), or a state saved with another outer optimizer (the built-in one or another
+                torch optimizer class, both named). Nothing has changed when it is raised.
         """
-        momentum = validate_state(state, expect=self._header(), outer=self.outer, names=self.param_names,
-                                  model=self.model, inner=self.inner_optimizer, sync_every=self.steps_per_round)
+        checked = validate_state(state, expect=self._header(), outer=self.outer, names=self.param_names,
+                                 model=self.model, inner=self.inner_optimizer, sync_every=self.steps_per_round,
+                                 fragments=self.fragments)
         # what can still fail on its own (codec and inner optimizer internals) goes first, undone on failure
         load_codecs_and_inner(state, [m.codec for m in self._mixer2s], self.mix1_codec, self.inner_optimizer)
         self._end_round()
@@ -469,10 +487,10 @@ class FGDiLoCo:
             self.outer.generation = max(self.outer.generation, int(state.get("generation", 0))) + 1
         for m in [self._mixer1, *self._mixer2s]:
             m.generation = self.outer.generation
-        self.outer.load(state, momentum, self.model)
+        self.outer.load(state, checked, self.model)
         saved = state.get("overlap_delta")
         self._resume_delta = None if saved is None else [
-            d.detach().to(device=self.params[i].device, dtype=torch.float32)
+            d.detach().to(device=self.params[i].device, dtype=torch.float32, copy=True)
             for d, i in zip(saved, self.fragments[self.outer.round % len(self.fragments)])]
 
     def close(self) -> None:
