@@ -158,8 +158,9 @@ def test_fgdiloco_simulate_writes_a_fresh_folder_and_prints_tables(tmp_path):
     (tmp_path / "runs" / "simulate").mkdir(parents=True)
     (tmp_path / "runs" / "simulate" / "simulate.json").write_text("{}")  # an earlier result: kept
     env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="160")
+    (tmp_path / "no-runs.json").write_text('{"runs": []}')  # nothing measured to validate against
     proc = subprocess.run([sys.executable, "-m", "fgdiloco", "simulate", "--quick", "--max-rounds", "300",
-                           "--wan", str(tmp_path / "no-wan.json")], capture_output=True, text=True, timeout=600,
+                           "--wan", str(tmp_path / "no-runs.json")], capture_output=True, text=True, timeout=600,
                           env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     fresh = tmp_path / "runs" / "simulate-2"
