@@ -144,26 +144,14 @@ BAD_TORCH_OUTER_STATES = {
 }
 
 
-@pytest.mark.parametrize("name", list(BAD_STATES))
-def test_every_bad_state_dict_raises_value_error_before_anything_changes(name):
-    opt = _opt()
+@pytest.mark.parametrize(("outer", "name"), [(None, n) for n in BAD_STATES]
+                         + [("adam", n) for n in BAD_TORCH_OUTER_STATES])
+def test_every_bad_state_dict_raises_value_error_before_anything_changes(outer, name):
+    """The built-in outer step's and a torch outer optimizer's (Adam: moments and step counts) bad states alike."""
+    opt = _opt(outer_optimizer=outer)
     _train(opt, 0, 0, 2 * H + 1)  # stepped, mid-round: momentum, anchor and AdamW state are all non-trivial
     good = opt.state_dict()
-    change, match = BAD_STATES[name]
-    before = _snapshot(opt)
-    with pytest.raises(ValueError, match=match):
-        opt.load_state_dict(_bad(good, change))
-    _assert_same(_snapshot(opt), before)
-    opt.load_state_dict(good)  # and the good one still loads
-    opt.close()
-
-
-@pytest.mark.parametrize("name", list(BAD_TORCH_OUTER_STATES))
-def test_every_bad_torch_outer_optimizer_state_raises_value_error_before_anything_changes(name):
-    opt = _opt(outer_optimizer="adam")
-    _train(opt, 0, 0, 2 * H + 1)  # Adam's moments and step counts, the inner AdamW's, mid-round
-    good = opt.state_dict()
-    change, match = BAD_TORCH_OUTER_STATES[name]
+    change, match = (BAD_STATES if outer is None else BAD_TORCH_OUTER_STATES)[name]
     before = _snapshot(opt)
     with pytest.raises(ValueError, match=match):
         opt.load_state_dict(_bad(good, change))
