@@ -248,6 +248,10 @@ def _discard(rank: int, world: int) -> dict:
     # (b) both prepared and met; rank 0 gives it up: rank 1's exchange on the dropped group fails at once
     t.prepare(1 - rank, key="b", timeout=20.0)
     t._pending[(1 - rank, "b")].job.result()
+    # both sides built: rank 0's Gloo set-up can end before rank 1's, and a group dropped then fails rank 1's
+    # set-up itself ("Connection closed by peer": seen once in a full-suite run) instead of its exchange
+    store.set(f"b-built/{rank}", b"1")
+    store.wait([f"b-built/{1 - rank}"])
     if rank == 0:
         t.discard(1, key="b")
         store.set("b-discarded", b"1")
