@@ -491,28 +491,18 @@ def run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
 
 
 # ---------------------------------------------------------------------------------------------------- elastic jobs
-def _int_arg(allowed: str) -> Any:
-    """An argparse ``type`` for an int option that words a non-number as ``pretrain``'s options do ("expected an int
-    >= 1, got 'abc'"); the range itself is checked where the value is used."""
-
-    def parse(text: str) -> int:
-        try:
-            return int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {allowed}, got {text!r}") from None
-
-    return parse
-
-
 def add_elastic_parsers(subparsers: Any) -> None:
-    """Add ``store`` and ``launch`` (the elastic job's gossip store and its launcher, :mod:`fgdiloco.elastic`)."""
+    """Add ``store`` and ``launch`` (the elastic job's gossip store and its launcher, :mod:`fgdiloco.elastic`).
+    A non-number is worded as the settings' options word it (``Count.parse``); ranges are checked where used."""
+    from .config import Count, Integer
+
     p = _add_command(
         subparsers, "store", help="serve an elastic job's gossip store (a TCPStore no worker hosts) until stopped",
         description="Serve the gossip store of an elastic job: workers anywhere reach it with "
                     "FGDILOCO_STORE=HOST:PORT. The store runs in a child process that is restarted on the same port "
                     "when it dies (the workers reconnect and re-publish their state). Stop it with Ctrl-C.")
     p.add_argument("--host", default="0.0.0.0", help="interface to listen on (0.0.0.0: every one)")
-    p.add_argument("--port", type=_int_arg("an int in [0, 65536)"), default=29400,
+    p.add_argument("--port", type=Integer("a TCP port in [0, 65536)").parse, default=29400,
                    help="TCP port (0: one the OS picks)")
     p.set_defaults(func=run_store, subparser=p)
 
@@ -523,13 +513,13 @@ def add_elastic_parsers(subparsers: Any) -> None:
                     "with --max-restarts, and all meet on a gossip store this command serves (or --store). A "
                     "worker's death, hang or restart never stops another. The script builds "
                     "FGDiLoCo(..., elastic=True).")
-    p.add_argument("--workers", type=_int_arg("an int >= 1"), default=2, help="workers to start here")
-    p.add_argument("--max-restarts", type=_int_arg("an int >= 0"), default=3,
+    p.add_argument("--workers", type=Count(1).parse, default=2, help="workers to start here")
+    p.add_argument("--max-restarts", type=Count(0).parse, default=3,
                    help="restarts of each worker before it is given up")
     p.add_argument("--store", default=None, help="HOST:PORT of a running gossip store (default: serve one here)")
-    p.add_argument("--slots", type=_int_arg("an int >= 1"), default=None,
+    p.add_argument("--slots", type=Count(1).parse, default=None,
                    help="the job's worker slots (default: first-worker + workers; more leaves room to join)")
-    p.add_argument("--first-worker", type=_int_arg("an int >= 0"), default=0,
+    p.add_argument("--first-worker", type=Count(0).parse, default=0,
                    help="slot of the first worker started here")
     p.add_argument("--job", default=None,
                    help="the job's name on the store (several jobs may share one; a new job on a store that served "
@@ -538,7 +528,7 @@ def add_elastic_parsers(subparsers: Any) -> None:
     p.add_argument("--resume", action="store_true",
                    help="set FGDILOCO_RESUME=1 for the workers: a script that keeps checkpoints continues from them "
                         "(e.g. after the workers stopped because the gossip store was out of reach)")
-    p.add_argument("--stages", type=_int_arg("an int >= 1"), default=1,
+    p.add_argument("--stages", type=Count(1).parse, default=1,
                    help="processes per worker: the stages of an elastic pipeline replica, one torchrun job that "
                         "fails and restarts together (the script calls fgdiloco.elastic.init_replica_group)")
     p.add_argument("script", nargs=argparse.REMAINDER, help="train.py [ARGS] or -m MODULE [ARGS]")

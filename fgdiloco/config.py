@@ -54,6 +54,15 @@ class Check:
         """The value of a command-line string (argparse ``type``)."""
         return text
 
+    def parse_in_range(self, text: str) -> Any:
+        """:meth:`parse`, then the range check, both as argparse's one-line error (``argument --bandwidth:
+        expected a number in (0, inf), got '0'``): for options that are not settings (those are checked by
+        ``validate``)."""
+        try:
+            return self("value", self.parse(text))
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"expected {self.allowed}, got {text!r}") from None
+
 
 class Count(Check):
     """An int >= ``minimum`` (bools are refused)."""

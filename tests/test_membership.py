@@ -837,7 +837,7 @@ def test_launch_and_store_refuse_bad_options_with_one_line(capsys):
     # a non-number is refused by the parser (usage line, then one error line), worded as pretrain's options word it
     for argv, text in ((["launch", "--workers", "abc", "x.py"], "--workers: expected an int >= 1, got 'abc'"),
                        (["launch", "--first-worker", "1.5", "x.py"], "--first-worker: expected an int >= 0, got '1.5'"),
-                       (["store", "--port", "x"], "--port: expected an int in [0, 65536), got 'x'")):
+                       (["store", "--port", "x"], "--port: expected an int (a TCP port in [0, 65536)), got 'x'")):
         with pytest.raises(SystemExit) as exit_:
             main(argv)
         assert exit_.value.code == 2

@@ -54,7 +54,7 @@ from typing import Any
 
 import numpy as np
 
-from ..config import Check, Count, Number
+from ..config import Count, Number
 from .comparison import JOB
 
 #: The committed results of a source checkout (``python -m benchmarks.simulate`` writes there).
@@ -790,30 +790,17 @@ def print_report(res: dict[str, Any]) -> None:
     console.print(f"[simulate] wrote {res['json']} and {', '.join(res['plots'])}", markup=False)
 
 
-def _checked(check: Check) -> Any:
-    """An argparse ``type`` that parses and range-checks with a settings ``Check`` (one line naming the option and
-    what is allowed: ``argument --bandwidth: expected a number in (0, inf), got '0'``)."""
-
-    def parse(text: str) -> Any:
-        try:
-            return check("value", check.parse(text))
-        except (TypeError, ValueError):
-            raise argparse.ArgumentTypeError(f"expected {check.allowed}, got {text!r}") from None
-
-    return parse
-
-
 def add_arguments(p: argparse.ArgumentParser, default_out: str | None = None) -> None:
     """The options of ``fgdiloco simulate`` (``default_out`` None: a fresh ``runs/simulate`` folder)."""
     p.add_argument("--quick", action="store_true", help="fewer M in the consensus study%(default).0s")
-    positive, at_least_0 = _checked(Number(0.0)), _checked(Number(0.0, low_ok=True))
+    positive, at_least_0 = Number(0.0).parse_in_range, Number(0.0, low_ok=True).parse_in_range
     p.add_argument("--bandwidth", type=positive, default=100.0, help="Mbit/s for the utilisation-vs-M chart")
     p.add_argument("--latency-ms", type=at_least_0, default=1.0, help="one-way latency per message for the charts")
     p.add_argument("--validate-latency-ms", type=at_least_0, default=0.05,
                    help="latency used to predict the wan.py runs (namespaces on one machine: ~0.02 ms measured)")
     p.add_argument("--oversubscription", type=positive, default=2.0,
                    help="compute slow-down factor applied to the one-thread step time when no wan.json exists")
-    p.add_argument("--max-rounds", type=_checked(Count(1)), default=200000,
+    p.add_argument("--max-rounds", type=Count(1).parse_in_range, default=200000,
                    help="gossip rounds simulated for the ring")
     p.add_argument("--wan", default=None, metavar="PATH",
                    help="measured runs to validate against (default: benchmarks/results/wan.json of a source "
