@@ -70,6 +70,32 @@ def test_exact_diloco_on_two_subgroups_at_once_is_two_separate_diloco_jobs(tmp_p
                 torch.testing.assert_close(torch.tensor(g).view(w.shape), w, rtol=0, atol=1e-5)
 
 
+def _twice_with_one_codec(rank: int, world: int, rounds: int) -> list[list[list[float]]]:
+    codec = LowRank(rank=1)  # error feedback: the exact path keeps a residual per tensor
+    runs = []
+    for _ in range(2):  # the same instance for two runs in one process, one after the other
+        model = make_model(seed=0)
+        opt = FGDiLoCo(model, torch.optim.AdamW(model.parameters(), lr=INNER_LR), sync_every=H, timeout=20.0,
+                       topology="allreduce", codec=codec)
+        assert opt.codec is not codec and opt.codec.rank == 1
+        for step in range(rounds * H):
+            loss_of(model, rank, step).backward()
+            opt.step()
+            opt.zero_grad()
+        assert any(e is not None for e in opt.codec.state_dict()["e"])  # the wrapper's copy kept a residual
+        opt.close()
+        runs.append([p.detach().flatten().tolist() for p in model.parameters()])
+    assert codec.state_dict()["shapes"] is None  # the user's instance was never used
+    return runs
+
+
+def test_a_codec_instance_starts_every_wrapper_from_a_fresh_state(tmp_path):
+    """A codec instance is copied with its state reset: it used to carry the first run's error-feedback residual
+    and warm starts into the second run (and two open wrappers shared one state)."""
+    for first, second in run_ranks(_twice_with_one_codec, 2, tmp_path, 2):
+        assert first == second
+
+
 def test_gossip_run_trains_and_replicas_differ_between_exact_rounds(tmp_path):
     results = run_ranks(_train, 4, tmp_path, 3, {"topology": "random"})
     assert results[0] != results[1]

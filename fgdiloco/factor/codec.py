@@ -191,7 +191,8 @@ class Codec(abc.ABC):
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
+        """Restore :meth:`state_dict`; an empty dict resets the state (``FGDiLoCo`` copies a codec instance it is
+        given and resets the copy this way, so a stateful codec must honour it)."""
         return None
 
     def config(self) -> dict[str, Any]:

@@ -42,6 +42,15 @@ _WRAPPERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, FGDiLoCo] = weakref.
 _RESOLVED = frozenset({"codec", "mix1_codec", "topology", "fragments"})
 
 
+def _own(codec: Codec, given: Any) -> Codec:
+    """``codec`` itself when it was built from a name; a copy of the user's instance ``given`` with a fresh state."""
+    if codec is not given:
+        return codec
+    mine = copy.deepcopy(codec)
+    mine.load_state_dict({})
+    return mine
+
+
 class FGDiLoCo:
     """Factored Gossip DiLoCo around an inner optimizer (Hewa Koneputugodage et al., ICML 2026, arXiv 2606.22768).
 
@@ -174,10 +183,13 @@ class FGDiLoCo:
     # ------------------------------------------------------------------ set-up
     @staticmethod
     def resolve_codecs(config: FGDiLoCoConfig) -> tuple[Codec, Codec]:
-        """Mix2's and Mix1's codec instances for ``config`` (a name builds a new instance)."""
+        """Mix2's and Mix1's codec instances for ``config``: a name builds a new instance, an instance is copied
+        with its state reset (``load_state_dict({})``). A codec's state (warm starts, error feedback) belongs to one
+        wrapper's layout and run, so a config that builds a second wrapper, at once or after the first, starts
+        each from a fresh state, as a name would."""
         codec = resolve_codec(config.codec, default=FGDiLoCoConfig.codec, argument="codec", rank=config.codec_rank)
         mix1 = resolve_codec(config.mix1_codec, default=FGDiLoCoConfig.mix1_codec, argument="mix1_codec")
-        return codec, mix1
+        return _own(codec, config.codec), _own(mix1, config.mix1_codec)
 
     def _warn_if_rank_factors_nothing(self) -> None:
         """Warn when the user chose the rank (``codec_rank``, or a ``LowRank`` instance) and no matrix of the model
