@@ -286,6 +286,9 @@ def _prepare_pretrain(args: argparse.Namespace, prog: str, display: _Display) ->
 
     try:
         if args.resume:
+            if args.overwrite:
+                raise PreflightError("--resume", "continues the run in --out; --overwrite would replace it: give one "
+                                                 "of the two")
             cfg, out = _resume_config(args)
             note = None
             done = _finished(out, cfg)
@@ -300,6 +303,10 @@ def _prepare_pretrain(args: argparse.Namespace, prog: str, display: _Display) ->
             cfg = TrainConfig.from_arguments(args, out=str(asked))
             with contextlib.suppress(FileNotFoundError):  # preflight says it, naming --data
                 cfg.validate()  # a bad option is said before a taken folder
+            unused = cfg.unused()  # an option that would pass without effect
+            if unused:
+                name, why = unused[0]
+                raise PreflightError(_flag(name), f"has no effect in this run: {why}")
             out, note = choose_output(asked, explicit=args.out is not None, overwrite=args.overwrite)
             cfg = dataclasses.replace(cfg, out=str(out))
         found = preflight(cfg, status=display.status)
@@ -313,6 +320,12 @@ def _prepare_pretrain(args: argparse.Namespace, prog: str, display: _Display) ->
     if args.overwrite and not args.resume:
         clear_outputs(out)
     return cfg, out, found, note
+
+
+def _flag(name: str) -> str:
+    """The ``fgdiloco pretrain`` option of the TrainConfig field ``name``."""
+    return {"error_feedback": "--no-error-feedback", "stage_embeddings": "--no-stage-embeddings"}.get(
+        name, "--" + name.replace("_", "-"))
 
 
 def _finished(out: Path, cfg: Any) -> str | None:

@@ -548,6 +548,39 @@ def test_bad_input_is_refused_in_one_line_naming_the_option_before_any_worker_st
     assert (earlier / "summary.json").read_text() == "{}"
 
 
+@pytest.mark.parametrize("extra, option, why", [
+    (["--baseline", "ddp", "--topology", "ring"], "--topology", "the ddp baseline does not run FG-DiLoCo"),
+    (["--baseline", "localsgd", "--timeout", "9"], "--timeout", "the localsgd baseline does not run FG-DiLoCo"),
+    (["--baseline", "ddp", "--max-restarts", "1"], "--max-restarts", "only elastic runs"),
+    (["--topology", "allreduce", "--checkpoint-every", "2"], "--checkpoint-every", "only elastic runs"),
+    (["--no-error-feedback"], "--no-error-feedback", "only the lowrank codec on the exact topology"),
+    (["--topology", "allreduce", "--codec", "int8", "--no-error-feedback"], "--no-error-feedback", "lowrank"),
+    (["--no-stage-embeddings", "--stages", "2"], "--no-stage-embeddings", "only with --subspace-rank and --stages"),
+    (["--no-stage-embeddings", "--subspace-rank", "8"], "--no-stage-embeddings", "--stages > 1"),
+    (["--microbatches", "2"], "--microbatches", "pipeline stages"),
+    (["--tokenizer", "bytes", "--vocab-size", "4096"], "--vocab-size", "256 symbols"),
+    (["--resume", "--overwrite"], "--resume", "--overwrite would replace it"),
+])
+def test_an_option_that_would_have_no_effect_is_refused(extra, option, why, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["pretrain", "--out", str(out), "--quiet", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"fgdiloco pretrain: error: {option} "), err
+    assert why in err, err
+    assert not out.exists()
+
+
+def test_options_that_act_are_not_called_unused():
+    for kw in ({}, {"baseline": "localsgd", "sync_every": 10, "seed": 3},
+               {"topology": "allreduce", "codec": "lowrank", "error_feedback": False},
+               {"stages": 2, "subspace_rank": 8, "stage_embeddings": False, "microbatches": 2},
+               {"tokenizer": "bytes"}, {"timeout": 9.0, "join_timeout": 3.0}):
+        assert TrainConfig(**kw).unused() == [], kw
+    # the timeout shorthand's deadlines count as --timeout, a deadline given by name as itself
+    assert {n for n, _ in TrainConfig(baseline="ddp", timeout=9.0, join_timeout=3.0).unused()} == {
+        "join_timeout", "timeout"}
+
+
 @pytest.mark.slow
 def test_launch_through_the_cli_and_a_second_run_gets_its_own_folder(tmp_path):
     cache = str(tmp_path / "cache")

@@ -139,7 +139,7 @@ class TrainConfig:
     timeout: float | None = _job(None, Seconds(), "", _RUN, flag=None)  # its flag comes with the settings' flags
     error_feedback: bool = _job(True, Flag(), "the lowrank codec without error feedback (an ablation; it is on by "
                                 "default). Only the exact path (--topology allreduce) keeps a residual: pairwise "
-                                "gossip exchanges never use one, so with a gossip topology this changes nothing",
+                                "gossip exchanges never use one, so elsewhere it is refused",
                                 "gossip", flag="--no-error-feedback")
     # elastic workers: torchrun restarts of each worker before it is given up, and outer rounds between a worker's
     # checkpoints (<out>/checkpoints/worker<k>.pt, from which a restarted worker continues)
@@ -318,6 +318,41 @@ class TrainConfig:
         if self.microbatches < self.stages:
             raise ValueError(f"microbatches must be >= stages={self.stages} for the 1F1B schedule, got "
                              f"{self.microbatches}")
+
+    def unused(self) -> list[tuple[str, str]]:
+        """The fields set away from the job's default that this run never reads, each with why: ``[(name, why)]``,
+        empty when every given option acts. ``fgdiloco pretrain`` refuses such a command line, so an option never
+        passes silently without effect. A timeout that the ``timeout`` shorthand set counts as ``timeout``.
+
+        * a ``baseline``: every FG-DiLoCo setting but ``sync_every`` and ``seed``, ``timeout``, and the elastic
+          workers' ``max_restarts`` and ``checkpoint_every`` (one torchelastic job, no checkpoints);
+        * ``topology="allreduce"``: ``max_restarts`` and ``checkpoint_every`` (one torchelastic job);
+        * ``error_feedback=False``: needs the lowrank codec and the exact topology (gossip keeps no residual);
+        * ``stage_embeddings=False``: needs ``subspace_rank`` and ``stages > 1``; ``microbatches``: ``stages > 1``;
+        * ``vocab_size``: the bpe tokenizer (bytes have 256 symbols).
+        """
+        d = TrainConfig()
+        given = {n for n in self.names() if n not in ("out", "run_id") and getattr(self, n) != getattr(d, n)}
+        if self.timeout is not None:
+            given -= {n for n in TIMEOUT_FIELDS if getattr(self, n) == self.timeout}
+        why: dict[str, str] = {}
+        if self.baseline is not None:
+            reason = f"the {self.baseline} baseline does not run FG-DiLoCo"
+            why.update((n, reason) for n in (*_SETTINGS, "timeout", "error_feedback")
+                       if n not in ("sync_every", "seed"))
+        if not self.elastic:
+            why.update((n, "only elastic runs (FG-DiLoCo with a gossip topology) restart workers and keep "
+                           "checkpoints") for n in ("max_restarts", "checkpoint_every"))
+        if self.baseline is None and not (self.topology == "allreduce" and str(self.codec).lower() == "lowrank"):
+            why["error_feedback"] = ("only the lowrank codec on the exact topology (allreduce) keeps an error-feedback "
+                                     "residual; pairwise gossip exchanges never use one")
+        if self.stages == 1 or self.subspace_rank is None:
+            why["stage_embeddings"] = "stage embeddings exist only with --subspace-rank and --stages > 1"
+        if self.stages == 1:
+            why["microbatches"] = "microbatches split a batch between pipeline stages (--stages > 1)"
+        if self.tokenizer == "bytes":
+            why["vocab_size"] = "the bytes tokenizer has 256 symbols (--vocab-size is the bpe tokenizer's)"
+        return [(n, why[n]) for n in self.names() if n in given and n in why]
 
     # ------------------------------------------------------------------ derived
     @property

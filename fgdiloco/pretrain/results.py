@@ -94,7 +94,8 @@ ROW_FIELDS: dict[str, str] = {
                                                "neighbouring stages since the start (forward activations + "
                                                "backward gradients, evaluation excluded), mean over workers",
     "workers_reporting": "elastic runs only: workers that reported this evaluation point (the means are over them; "
-                         "a worker that was down, or rejoined at a later round, has no report)",
+                         "a worker that was down, or rejoined at a later round, has no report); with --stages > 1 "
+                         "pipeline replicas, each reporting its stages' means",
     "eval_worker": "elastic runs only: the slot whose values the unsuffixed fields are (the lowest reporting one; "
                    "'rank 0' above)",
     "rejoins_so_far": "elastic runs only: times a worker joined the job's live round (after a restart, or having "
