@@ -406,8 +406,9 @@ def _interrupted(out: Path, display: _Display, finish: Any, code: int = EXIT_INT
     finally:
         signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
     if summary is None:
-        display.err.print(f"[fgdiloco] interrupted: stopped the workers before training started; kept only the "
-                          f"worker logs in {out / 'logs'}", markup=False)
+        display.err.print(f"[fgdiloco] interrupted: stopped the workers before training started (nothing was "
+                          f"trained); their logs are in {out / 'logs'}; to start again in {out}, add --overwrite",
+                          markup=False)
         return code
     rows = summary["rounds"]
     kept = ["summary.json (marked interrupted)" if summary["interrupted"] else "summary.json"]
@@ -579,6 +580,8 @@ def run_store(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def run_launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     from .elastic import launch
 
     script = args.script[1:] if args.script[:1] == ["--"] else args.script
@@ -595,6 +598,9 @@ def run_launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     except KeyboardInterrupt:
         print("[fgdiloco] launch interrupted: stopped the workers", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except SignalException as e:  # SIGTERM: launch() sent it on to every agent and waited for them
+        print(f"[fgdiloco] launch stopped by {e.sigval.name}: stopped the workers", file=sys.stderr)
+        return 128 + int(e.sigval)
     return 1 if failed else 0  # launch() said which
 
 
@@ -611,7 +617,7 @@ def _tokens(n: float) -> str:
 def _as_flag(message: str) -> str:
     """``"max_restarts must be ..."`` -> ``"--max-restarts must be ..."`` (for ``fgdiloco launch``'s options)."""
     head, _, rest = message.partition(" ")
-    flags = {"workers", "max_restarts", "store", "slots", "first_worker", "job"}
+    flags = {"workers", "max_restarts", "store", "slots", "first_worker", "job", "stages", "log_dir"}
     rest = rest.replace("first_worker + workers", "--first-worker + --workers")
     return f"--{head.replace('_', '-')} {rest}" if head in flags else message
 

@@ -143,3 +143,53 @@ def test_the_launch_line_tells_a_store_never_reached_from_one_lost(tmp_path, cap
     assert "workers [0] stopped: the gossip store at host:1 was out of reach for too long (continue with --resume)" \
         in said
     assert "workers [1] stopped: they could not reach the gossip store at host:1 (is it running there?" in said
+
+
+SLEEPER = """import os, sys, time
+open(os.path.join(sys.argv[1], f"worker{os.environ['FGDILOCO_WORKER']}.pid"), "w").write(str(os.getpid()))
+time.sleep(300)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split()[2] != "Z"
+
+
+@pytest.mark.slow
+def test_sigterm_to_fgdiloco_launch_stops_every_agent_and_worker(tmp_path):
+    """A process manager stops ``fgdiloco launch`` with SIGTERM alone (not the process group, as Ctrl-C does): the
+    agents and workers used to train on as orphans with the gossip store gone. Now every agent gets SIGTERM and
+    stops its worker; the command exits 143 saying so."""
+    import signal
+    import time
+
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "fgdiloco", "launch", "--workers", "2", "--max-restarts", "0",
+                             "--log-dir", str(tmp_path / "logs"), str(script), str(tmp_path)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        pids = [tmp_path / f"worker{k}.pid" for k in (0, 1)]
+        t0 = time.monotonic()
+        while not all(p.exists() and p.read_text() for p in pids):  # both workers are running
+            assert proc.poll() is None and time.monotonic() - t0 < 120, proc.stdout.read() if proc.poll() else ""
+            time.sleep(0.2)
+        workers = [int(p.read_text()) for p in pids]
+        agents = [int(line.split()[0]) for line in subprocess.run(
+            ["ps", "-o", "pid=,args=", "--ppid", str(proc.pid)], capture_output=True, text=True).stdout.splitlines()
+            if "torch.distributed.run" in line]
+        assert len(agents) == 2
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, out
+    assert "launch stopped by SIGTERM: stopped the workers" in out, out
+    assert not any(_alive(pid) for pid in agents + workers), out

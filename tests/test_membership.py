@@ -830,7 +830,12 @@ def test_launch_and_store_refuse_bad_options_with_one_line(capsys):
                        (["launch", "--slots", "1", "--workers", "2", "x.py"],
                         "--slots must be an int >= --first-worker + --workers = 2, got 1"),
                        (["launch", "--workers", "2", "no_such_script.py"], "'no_such_script.py' is not a file"),
-                       (["store", "--port", "99999"], "port must be an int in [0, 65536)")):
+                       (["store", "--port", "99999"], "port must be an int in [0, 65536)"),
+                       # checked before any worker starts (every worker used to fail and restart for nothing)
+                       (["launch", "--job", "", __file__], "--job must be a non-empty name without '/', got ''"),
+                       (["launch", "--job", "a/b", __file__], "--job must be a non-empty name without '/'"),
+                       (["launch", "--stages", "0", __file__], "--stages must be an int >= 1, got 0"),
+                       (["launch", "--log-dir", "/proc/nope", __file__], "--log-dir '/proc/nope' cannot be created")):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert text in err and len(err.strip().splitlines()) == 1, err

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -249,9 +250,17 @@ def _run_workers(script: Sequence[str], slots: range, base: Mapping[str, str], m
                  started: Callable[[], Any] | None = None) -> list[int]:
     """Start one torchrun job per slot (then call ``started``) and wait for all of them; their exit codes. A worker
     that fails for good while others run is named at once. Ctrl-C (or an error of ``started``) reaches every
-    agent."""
+    agent; so does SIGTERM (raised here as torchelastic's ``SignalException``, as ``fgdiloco pretrain`` does),
+    which the agents get as SIGTERM."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def on_term(signum: int, _frame: Any) -> None:
+        raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+
     procs: list[subprocess.Popen[bytes]] = []
     files = []
+    main_thread = threading.current_thread() is threading.main_thread()
+    saved_term = signal.signal(signal.SIGTERM, on_term) if main_thread else None
     try:
         for k in slots:
             out = open(logs / f"worker{k}.log", "ab") if logs is not None else None  # noqa: SIM115 - closed below
@@ -274,20 +283,29 @@ def _run_workers(script: Sequence[str], slots: range, base: Mapping[str, str], m
                               file=sys.stderr, flush=True)
             time.sleep(0.2)
         return [p.returncode for p in procs]
-    except BaseException:
-        for p in procs:  # Ctrl-C: the terminal sent SIGINT to the whole group; make sure every agent hears it
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+    except BaseException as e:
+        # Ctrl-C: the terminal sent SIGINT to the whole group; make sure every agent hears it. SIGTERM (a process
+        # manager stopping this command alone) goes on as SIGTERM: the agents would otherwise train on, orphaned
+        _stop(procs, signal.SIGTERM if isinstance(e, SignalException) else signal.SIGINT)
         raise
     finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, saved_term if saved_term is not None else signal.SIG_DFL)
         for f in files:
             if f is not None:
                 f.close()
+
+
+def _stop(procs: Sequence[subprocess.Popen[bytes]], sig: int) -> None:
+    """Send ``sig`` to every agent still running and wait for each (30 s, then kill it)."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(sig)
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
@@ -379,6 +397,15 @@ def launch(script: Sequence[str], workers: int, *, max_restarts: int = 3, store:
     slots = _check_launch(script, workers, max_restarts, store, slots, first_worker)
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
         raise ValueError(f"stages must be an int >= 1, got {stages!r}")
+    if job is not None and (not isinstance(job, str) or not job or "/" in job):
+        raise ValueError(f"job must be a non-empty name without '/', got {job!r}")  # else every worker fails
+    if log_dir is not None:
+        try:
+            Path(log_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"log_dir {str(log_dir)!r} cannot be created: {e.strerror}") from None
+        if not os.access(log_dir, os.W_OK):
+            raise ValueError(f"log_dir {str(log_dir)!r} is not writable")
     served = SupervisedStore() if store is None else None
     address = served.address if served is not None else store
     base = dict(os.environ)
