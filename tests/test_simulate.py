@@ -124,6 +124,18 @@ def test_contraction_is_monotone_and_ring_is_slowest():
     assert contraction_vectors("allreduce", 16, 1)[0] < 1e-15
 
 
+def test_the_consensus_study_computes_log2_m_rounds_whatever_max_rounds():
+    """``fgdiloco simulate --max-rounds 5`` crashed (IndexError) where log2 M > 5: the rows report the contraction
+    after log2 M rounds."""
+    from fgdiloco.pretrain.simulate import consensus_study
+
+    out = consensus_study([64], topologies=("ring", "exponential"), max_rounds=1, matrix_max_m=64, random_seeds=1)
+    ring, exp = out["by_topology"]["ring"][0], out["by_topology"]["exponential"][0]
+    for row in (ring, exp):
+        assert row["rounds_computed"] == 6 and 0 <= row["after_log2m"] <= row["after_1"] <= 1
+    assert exp["after_log2m"] < 1e-12  # the exponential graph is exact after log2 M rounds
+
+
 def test_halving_doubling_latency_grows_with_log_m():
     from fgdiloco.pretrain.simulate import allreduce_seconds
 

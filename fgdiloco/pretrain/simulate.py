@@ -290,8 +290,9 @@ def rounds_to(curve: list[float], eps: float) -> int | None:
 def consensus_study(ms: list[int], topologies: tuple[str, ...] = ("random", "exponential", "ring"),
                     max_rounds: int = 200000, matrix_max_m: int = 256, eps: float = 0.01,
                     random_seeds: int = 5) -> dict[str, Any]:
-    """Contraction against M for each topology (random: mean over ``random_seeds`` schedules). Ring rounds to
-    ``eps`` beyond ``max_rounds`` are extrapolated with the power law through the two largest computed M."""
+    """Contraction against M for each topology (random: mean over ``random_seeds`` schedules), over at most
+    ``max_rounds`` gossip rounds but at least log2 M. Ring rounds to ``eps`` beyond ``max_rounds`` are extrapolated
+    with the power law through the two largest computed M."""
     out: dict[str, Any] = {"eps": eps, "max_rounds": max_rounds, "matrix_max_m": matrix_max_m,
                            "random_seeds": random_seeds, "by_topology": {}}
     for name in topologies:
@@ -299,7 +300,8 @@ def consensus_study(ms: list[int], topologies: tuple[str, ...] = ("random", "exp
         for m in ms:
             t0 = time.perf_counter()
             lg = max(1, math.ceil(math.log2(m)))
-            kmax = max_rounds if name == "ring" else min(max_rounds, 8 * lg + 16)
+            # at least log2 M rounds, whatever max_rounds: the rows report the contraction after log2 M rounds
+            kmax = max(lg, max_rounds if name == "ring" else min(max_rounds, 8 * lg + 16))
             seeds = range(random_seeds) if name == "random" else range(1)
             curves = [contraction_vectors(name, m, kmax, seed=sd, trials=8 if name == "ring" else 16,
                                           stop_below=eps * 1e-3) for sd in seeds]
@@ -801,7 +803,8 @@ def add_arguments(p: argparse.ArgumentParser, default_out: str | None = None) ->
     p.add_argument("--oversubscription", type=positive, default=2.0,
                    help="compute slow-down factor applied to the one-thread step time when no wan.json exists")
     p.add_argument("--max-rounds", type=Count(1).parse_in_range, default=200000,
-                   help="gossip rounds simulated for the ring")
+                   help="gossip rounds simulated for the ring (the other topologies: at most this many; "
+                        "every topology: at least log2 M, the rounds the tables report)")
     p.add_argument("--wan", default=None, metavar="PATH",
                    help="measured runs to validate against (default: benchmarks/results/wan.json of a source "
                         "checkout, when there is one)%(default).0s")
