@@ -139,7 +139,7 @@ def test_resume_continues_a_stopped_run_from_every_workers_checkpoint(tmp_path, 
     assert main(["pretrain", "--resume", "--out", str(out), *common]) == 2  # nothing there yet
     assert "--resume found no run to continue" in capsys.readouterr().err
 
-    # --max-seconds stops the first run early (each worker at its next evaluation point), with checkpoints
+    # --max-seconds stops the first run early (every worker at the same evaluation point), with checkpoints
     first = _start(["--workers", "2", *TINY, "--steps", "24", "--sync-every", "3", "--checkpoint-every", "1",
                     "--max-seconds", "0.2", "--out", str(out), *common], tmp_path)
     stdout, stderr = _finish(first, 240)
@@ -147,6 +147,7 @@ def test_resume_continues_a_stopped_run_from_every_workers_checkpoint(tmp_path, 
     stopped = json.loads((out / "summary.json").read_text())
     assert stopped["stopped_early"] is True and 1 <= stopped["rounds"] < 8
     saved = {k: [e["round"] for e in _events(out, k, "row")] for k in range(2)}
+    assert saved[0][-1] == saved[1][-1], saved  # both stop at the round where the first passed --max-seconds
     # the workers stop at their own next evaluation point: make worker 1's checkpoint the older one for sure
     ckpts = [torch.load(out / "checkpoints" / f"worker{k}.pt", weights_only=False) for k in range(2)]
     older = min(c["round"] for c in ckpts) - 1

@@ -7,8 +7,8 @@
   any rank past ``max_seconds`` stops them all after the same round.
 * :class:`WorkerEvents`: one worker of an elastic job: no collective; it appends what it measures to its own file,
   ``<out>/workers/worker<k>.jsonl`` (:data:`EVENTS`), which the launcher merges
-  (:class:`fgdiloco.pretrain.merge.Merger`). The first worker past ``max_seconds`` writes ``<out>/workers/stop``;
-  every worker stops at its next evaluation point once it is there.
+  (:class:`fgdiloco.pretrain.merge.Merger`). The first worker past ``max_seconds`` writes its next evaluation
+  point's round into ``<out>/workers/stop``; every worker stops at that point (at once when already past it).
 """
 
 from __future__ import annotations
@@ -224,6 +224,26 @@ class GroupRows(Reporter):
             self._file = None
 
 
+def _stop_round(path: Path, worker: int, mine: int | None) -> int | None:
+    """The round the job stops at (``max_seconds``): the one in ``path``, written once, by the first worker past
+    the limit (``mine``: the round this worker would stop at when it is past it; the file is made whole and
+    linked, so two workers past it at once cannot both write it). None: nobody is past it yet."""
+    if mine is not None and not path.exists():
+        tmp = path.with_name(f".stop.{worker}.{os.getpid()}")
+        with contextlib.suppress(OSError):
+            tmp.write_text(json.dumps({"worker": worker, "round": mine}) + "\n")
+            with contextlib.suppress(FileExistsError):
+                os.link(tmp, path)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+    try:
+        return int(json.loads(path.read_text())["round"])
+    except FileNotFoundError:
+        return mine
+    except (OSError, ValueError, KeyError, TypeError):
+        return mine if mine is not None else -1  # unreadable: stop here, as before the round was written
+
+
 class WorkerEvents(Reporter):
     """What one elastic worker reports, to its own file (:data:`EVENTS`).
 
@@ -275,11 +295,12 @@ class WorkerEvents(Reporter):
         if cfg.net_counters:
             row.update(net_tx_bytes=net[0] - self._net0[0], net_rx_bytes=net[1] - self._net0[1])
         self.emit("row", **row)
-        stop_file = stop_path(cfg.out)
-        if over and not stop_file.exists():
-            with contextlib.suppress(OSError):
-                stop_file.write_text(json.dumps({"worker": self.worker, "round": point.round}) + "\n")
-        self.stopped = over or stop_file.exists()
+        # every worker stops at the evaluation point after the one where the first passed max_seconds: the others
+        # may have checked that point already (there is no collective), and one that stopped a round before its
+        # partners would leave them that round alone. One already past it stops at once.
+        nxt = min(point.round + cfg.eval_every, cfg.rounds)
+        at = _stop_round(stop_path(cfg.out), self.worker, nxt if over else None)
+        self.stopped = at is not None and point.round >= at
         return self.stopped
 
     def finish(self, outcome: Outcome) -> dict[str, Any]:

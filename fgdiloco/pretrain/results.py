@@ -61,7 +61,8 @@ OUTPUT_NAMES = ("run.json", "metrics.jsonl", "summary.json", "loss.png", "logs",
 ROW_FIELDS: dict[str, str] = {
     "step": "inner steps done by each worker",
     "round": "outer rounds done (1-based count; 0: before training)",
-    "tokens": "tokens trained on so far, all workers together",
+    "tokens": "tokens trained on so far, all workers together: step x the tokens of one step of every worker (a "
+              "worker that was down, or rejoined rounds ahead, trained fewer)",
     "wall_seconds": "seconds since training started (s), evaluation included",
     "train_seconds": "seconds since training started (s), evaluation excluded",
     "train_seconds_slowest": "train_seconds of the slowest worker (s): how long the job took to get here (the "
@@ -111,7 +112,8 @@ SUMMARY_FIELDS: dict[str, str] = {
     "interrupted": "true: stopped (Ctrl-C) before the last step; everything below covers the rounds done",
     "rounds": "outer rounds done (rounds_planned: in the configuration)",
     "steps": "inner steps done by each worker (steps_planned: in the configuration)",
-    "tokens": "tokens trained on, all workers together",
+    "tokens": "tokens trained on, all workers together: steps x the tokens of one step of every worker (a worker "
+              "that was down, or rejoined rounds ahead, trained fewer)",
     "final_eval_loss": "held-out loss of rank 0's replica at the last evaluation (nats/token)",
     "final_eval_loss_mean": "held-out loss at the last evaluation, mean over the workers' replicas (nats/token)",
     "unigram_loss": "held-out loss of a unigram model fit on the training split: the baseline to beat",
@@ -156,8 +158,9 @@ def checkpoint_path(out: str | os.PathLike[str], worker: int, stage: int | None 
 
 
 def stop_path(out: str | os.PathLike[str]) -> Path:
-    """``<out>/workers/stop``: written by the first elastic worker past ``max_seconds``; every worker stops at its
-    next evaluation point once it is there (the workers share no collective to agree on it)."""
+    """``<out>/workers/stop``: written by the first elastic worker past ``max_seconds`` (``{"worker", "round"}``:
+    its next evaluation point); every worker stops at that point, or at once when already past it (the workers
+    share no collective to agree on it, and may have checked the first one's point before it was written)."""
     return Path(out) / "workers" / "stop"
 
 
