@@ -204,6 +204,8 @@ class Fragments(Check):
 #: Outer optimizers by name (``outer_optimizer="adam"``): built with ``outer_lr`` and ``outer_momentum`` (Adam's
 #: first beta; the second is 0.999); ``"nesterov"`` is the default SGD with Nesterov momentum.
 OUTER_OPTIMIZERS = ("nesterov", "sgd", "adam", "adamw")
+#: ``outer_lr`` from which an Adam-type outer optimizer by name is warned about (:meth:`FGDiLoCoConfig.outer_lr_note`)
+ADAM_OUTER_LR_WARN = 0.1
 
 
 class OuterOptimizerCheck(Check):
@@ -450,6 +452,19 @@ class FGDiLoCoConfig:
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
         return iter(self.as_dict().items())
+
+    def outer_lr_note(self) -> str | None:
+        """A word on an ``outer_lr`` that suits Nesterov SGD but not the Adam-type outer optimizer named
+        (``outer_optimizer="adam"``/``"adamw"`` with ``outer_lr >= ADAM_OUTER_LR_WARN``): Adam normalises the
+        pseudo-gradient, so every parameter moves by up to about ``outer_lr`` per outer round whatever its size.
+        None otherwise. ``FGDiLoCo`` warns with it; ``fgdiloco pretrain`` says it before it starts."""
+        name = self.outer_optimizer.lower() if isinstance(self.outer_optimizer, str) else None
+        if name not in ("adam", "adamw") or self.outer_lr < ADAM_OUTER_LR_WARN:
+            return None
+        return (f"outer_optimizer={name!r} with outer_lr={self.outer_lr:g}: Adam normalises the pseudo-gradient, so "
+                f"every parameter moves by up to about {self.outer_lr:g} per outer round whatever its size (outer_lr "
+                "0.7 is Nesterov SGD's setting, where it scales the pseudo-gradient); give Adam a step on the "
+                "parameters' own scale, e.g. a few times the inner learning rate")
 
 
 _DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(FGDiLoCoConfig)}

@@ -144,6 +144,7 @@ BAD_TORCH_OUTER_STATES = {
 }
 
 
+@pytest.mark.filterwarnings("ignore:outer_optimizer=.*Adam normalises:UserWarning")  # state, not convergence
 @pytest.mark.parametrize(("outer", "name"), [(None, n) for n in BAD_STATES]
                          + [("adam", n) for n in BAD_TORCH_OUTER_STATES])
 def test_every_bad_state_dict_raises_value_error_before_anything_changes(outer, name):
@@ -161,6 +162,7 @@ def test_every_bad_state_dict_raises_value_error_before_anything_changes(outer, 
     opt.close()
 
 
+@pytest.mark.filterwarnings("ignore:outer_optimizer=.*Adam normalises:UserWarning")  # state, not convergence
 @pytest.mark.parametrize("outer", [None, "adam"])
 def test_a_state_dict_is_a_copy_and_rewinds_the_wrapper_bit_for_bit(outer):
     """state_dict() copies the inner (AdamW) and outer optimizers' states too, and load_state_dict() keeps copies:

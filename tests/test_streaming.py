@@ -205,6 +205,22 @@ def test_a_torch_sgd_outer_optimizer_equals_the_builtin_nesterov_step():
             torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
 
 
+def test_an_adam_outer_optimizer_with_sgds_outer_lr_is_warned_about():
+    """outer_lr 0.7 scales SGD's pseudo-gradient but is Adam's step per parameter: `fgdiloco pretrain
+    --outer-optimizer adam` diverged (7.6 -> 34) without a word. Warned at construction; a step on the parameters'
+    scale and SGD's 0.7 are not."""
+    import warnings
+
+    with pytest.warns(UserWarning, match=r"outer_optimizer='adamw' with outer_lr=0.7: Adam normalises"):
+        _opt(make_model(), sync_every=2, outer_optimizer="adamw").close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _opt(make_model(), sync_every=2, outer_optimizer="adam", outer_lr=1e-2).close()
+        _opt(make_model(), sync_every=2, outer_optimizer="sgd").close()
+    assert FGDiLoCoConfig(outer_optimizer="ADAM", outer_lr=0.1).outer_lr_note() is not None
+    assert FGDiLoCoConfig(outer_optimizer=None).outer_lr_note() is None
+
+
 def test_an_adam_outer_step_mixes_its_moments_and_checkpoints_them():
     hub = LocalHub(2)
     states: dict[int, dict] = {}
@@ -240,6 +256,7 @@ def test_an_adam_outer_step_mixes_its_moments_and_checkpoints_them():
     fresh.close(), builtin.close()
 
 
+@pytest.mark.filterwarnings("ignore:outer_optimizer=.*Adam normalises:UserWarning")  # state, not convergence
 @pytest.mark.parametrize(("saved_by", "loaded_into", "names"), [
     ("adam", "sgd", ("adam.Adam", "sgd.SGD")),
     ("adam", "adamw", ("adam.Adam", "adamw.AdamW")),
@@ -273,6 +290,7 @@ def _same(a, b) -> bool:
     return a == b
 
 
+@pytest.mark.filterwarnings("ignore:outer_optimizer=.*Adam normalises:UserWarning")  # state, not convergence
 @pytest.mark.parametrize("outer", ["adam", "sgd"])
 def test_a_resumed_outer_optimizer_steps_with_the_constructions_hyperparameters_and_the_saved_state(outer):
     """Resumed with another outer_lr (and betas), a torch outer optimizer kept the saved ones while opt.outer_lr
