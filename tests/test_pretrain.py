@@ -770,6 +770,10 @@ def test_preflight_checks_memory_and_warns_about_cores(tmp_path, monkeypatch):
     high = launcher.preflight(dataclasses.replace(cfg, codec_rank=30))["warnings"][-1]
     assert high.startswith("--codec-rank: at codec rank 30 none of the model's matrices") and "at most 29" in high
     assert not [w for w in launcher.preflight(dataclasses.replace(cfg, codec_rank=29))["warnings"] if "rank" in w]
+    # so is an Adam-type outer optimizer with SGD's outer learning rate (it diverged without a word)
+    adam = launcher.preflight(dataclasses.replace(cfg, outer_optimizer="adam"))["warnings"]
+    assert [w for w in adam if w.startswith("--outer-lr: outer_optimizer='adam' with outer_lr=0.7")], adam
+    assert not [w for w in found["warnings"] if "--outer-lr" in w]
     assert found["tokens"] > 100_000 and found["vocab_size"] == 384
     assert found["worker_bytes"] == per
     said: list[str] = []
@@ -886,3 +890,42 @@ def test_the_closing_lines_say_a_run_stopped_at_max_seconds_can_go_on(tmp_path):
     early = _summary_text({**s, "stopped_early": True, "rounds": 1, "steps": 3}, tmp_path, 14.0).splitlines()[0]
     assert early == ("[fgdiloco] stopped at --max-seconds after round 1/10 (step 3/30) in 14s; the same command "
                      "with --resume continues it:"), early
+
+
+def test_a_killed_torchrun_agent_is_not_reported_as_a_worker_lost_to_memory(tmp_path):
+    """A worker's torchrun job that ended by SIGKILL with no failure report of its worker in the log is its agent
+    killed (the worker may have gone on); a worker killed by SIGKILL is torchrun's report of exitcode -9."""
+    from fgdiloco.pretrain.launcher import _failure_reason
+
+    log = tmp_path / "worker0.log"
+    log.write_text("[fgdiloco] worker 0 round 12\n")
+    assert _failure_reason(log, -9).startswith("its torchrun agent was killed (SIGKILL)")
+    log.write_text("  exitcode  : -9 (pid: 123)\n")
+    assert _failure_reason(log, 1) == "killed by the system (SIGKILL), probably out of memory"
+
+
+def test_every_elastic_worker_stops_at_the_round_where_the_first_passed_max_seconds(tmp_path):
+    """The first worker past --max-seconds writes the round of its next evaluation point; every worker trains up to
+    it (one used to stop a round before its partner, leaving it that round alone and the summary's steps above its
+    own), one past it stops at once, and a second worker past the limit does not overwrite the round."""
+    from fgdiloco.pretrain.reports import _stop_round
+
+    stop = tmp_path / "stop"
+    assert _stop_round(stop, 1, None) is None  # nobody past it
+    assert _stop_round(stop, 0, 26) == 26  # worker 0 is first, at round 26
+    assert _stop_round(stop, 1, 25) == 26  # worker 1 passes it too at round 25: it still trains round 26
+    assert _stop_round(stop, 2, None) == 26
+    assert json.loads(stop.read_text()) == {"worker": 0, "round": 26}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stop"]  # no temporary file left
+    stop.write_text("{")  # unreadable: stop where we are
+    assert _stop_round(stop, 1, None) == -1 and _stop_round(stop, 1, 7) == 7
+
+
+def test_an_interrupt_before_training_says_how_to_start_again(tmp_path, capsys):
+    """Interrupted before any worker wrote run.json: nothing was trained, and the folder (config.json, logs) is
+    refused by the same command without --overwrite; the line said "kept only the worker logs"."""
+    from fgdiloco.cli import EXIT_INTERRUPTED, _Display, _interrupted
+
+    assert _interrupted(tmp_path, _Display(quiet=True), lambda out: None) == EXIT_INTERRUPTED
+    err = capsys.readouterr().err
+    assert "before training started (nothing was trained)" in err and "add --overwrite" in err, err

@@ -187,8 +187,9 @@ class TrainConfig:
     run_id: str | None = _job(None, None, "the run's id", _OUT, flag=None)
     eval_every: int = _job(1, Count(1), "outer rounds between evaluations", _OUT)
     eval_batches: int = _job(4, Count(1), "held-out batches per evaluation", _OUT)
-    max_seconds: float | None = _job(None, Seconds(), "stop after the evaluation point at which a worker's training "
-                                     "time (evaluation excluded) passes S seconds (default: no limit)", _OUT,
+    max_seconds: float | None = _job(None, Seconds(), "stop once a worker's training time (evaluation excluded) "
+                                     "passes S seconds: at that evaluation point, or, for an elastic run's "
+                                     "workers, all at the next one (default: no limit)", _OUT,
                                      metavar="S")
     quiet: bool = _job(False, Flag(), "print only warnings, errors and the final summary (metrics.jsonl is written "
                        "as always)", _OUT, flag="--quiet")

@@ -206,6 +206,13 @@ def _rank_note(cfg: TrainConfig, vocab_size: int) -> str | None:
     return codec.factors_none_of([p for p in model.parameters() if p.requires_grad])
 
 
+def _setting_notes(cfg: TrainConfig, vocab_size: int) -> list[str]:
+    """What the workers' wrappers would warn about into their logs, said once before they start: an Adam-type
+    outer optimizer with SGD's ``--outer-lr``, a ``--codec-rank`` that factors no matrix."""
+    notes = [("--outer-lr", cfg.fgdiloco_config().outer_lr_note()), ("--codec-rank", _rank_note(cfg, vocab_size))]
+    return [f"{flag}: {note}" for flag, note in notes if note]
+
+
 def preflight(cfg: TrainConfig, status: Callable[[str], Any] | None = None) -> dict[str, Any]:
     """Check everything a run needs before a worker starts; returns what was found.
 
@@ -278,9 +285,7 @@ def preflight(cfg: TrainConfig, status: Callable[[str], Any] | None = None) -> d
     if cfg.steps < cfg.round_steps:
         warnings.append(f"--steps {cfg.steps} is fewer than the {cfg.round_steps} inner steps of an outer round "
                         f"(--sync-every {cfg.sync_every}): the run is one outer round of {cfg.steps} steps")
-    rank_note = _rank_note(cfg, tok.vocab_size)
-    if rank_note:
-        warnings.append(f"--codec-rank: {rank_note}")
+    warnings += _setting_notes(cfg, tok.vocab_size)
     return {"chars": len(text), "tokens": int(tokens.numel()), "train_tokens": int(train.numel()),
             "val_tokens": int(val.numel()), "vocab_size": tok.vocab_size, "cache_dir": str(cache),
             "worker_bytes": per_worker, "available_bytes": avail, "cores": cores, "warnings": warnings}
@@ -522,6 +527,9 @@ def _failure_reason(log: Path, code: int) -> str:
         text = ""
     exits = re.findall(r"exitcode\s*:\s*(-?\d+)", text)
     last = int(exits[-1]) if exits else code
+    if not exits and code == -signal.SIGKILL:  # torchrun's agent itself, with no failure report of its worker
+        return ("its torchrun agent was killed (SIGKILL), by the system (out of memory?) or by hand; the worker it "
+                "ran may have gone on without it")
     if last == -signal.SIGKILL:
         return "killed by the system (SIGKILL), probably out of memory"
     if last < 0:
@@ -762,7 +770,8 @@ def _elastic_summary(cfg: TrainConfig, merger: Any, codes: list[int], resume: bo
     if len(lost) == len(codes) or not merger.merged:
         k = lost[0] if lost else 0
         reason = _failure_reason(logs / f"worker{k}.log", codes[k])
-        raise WorkerFailed(k, reason, logs / f"worker{k}.log", traceback=not reason.startswith(("killed", "stopped")))
+        signalled = reason.startswith(("killed", "stopped", "its torchrun agent"))
+        raise WorkerFailed(k, reason, logs / f"worker{k}.log", traceback=not signalled)
     info = {k: v for k, v in (merger.info or {}).items() if k != "_worker"}
     rows = merger.merged
     last = rows[-1]
