@@ -144,8 +144,9 @@ class FGDiLoCo:
         self.synced = SyncedParameters(model, inner_optimizer)  # raises before anything is built
         self.param_names, self.params = self.synced.names, self.synced.params
         self._warn_if_rank_factors_nothing()
-        if self.config.outer_lr_note():
-            warnings.warn(self.config.outer_lr_note(), UserWarning, stacklevel=2)
+        note = self.config.outer_lr_note()
+        if note:
+            warnings.warn(note, UserWarning, stacklevel=2)
         layout = [(n, p.shape, p.dtype) for n, p in zip(self.param_names, self.params)]
         if mesh is not None:
             if not isinstance(mesh, ReplicaMesh):
