@@ -323,9 +323,12 @@ def _prepare_pretrain(args: argparse.Namespace, prog: str, display: _Display) ->
 
 
 def _flag(name: str) -> str:
-    """The ``fgdiloco pretrain`` option of the TrainConfig field ``name``."""
-    return {"error_feedback": "--no-error-feedback", "stage_embeddings": "--no-stage-embeddings"}.get(
-        name, "--" + name.replace("_", "-"))
+    """The ``fgdiloco pretrain`` option of the TrainConfig field ``name`` (a switch's own flag from the field's
+    metadata, e.g. ``--no-error-feedback``; else the field's name)."""
+    from .pretrain.config import TrainConfig
+
+    meta = {f.name: f.metadata for f in dataclasses.fields(TrainConfig)}.get(name, {})
+    return meta.get("flag") or "--" + name.replace("_", "-")
 
 
 def _finished(out: Path, cfg: Any) -> str | None:
